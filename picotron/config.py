@@ -1,0 +1,274 @@
+"""Typed run configuration: load from JSON, validate with clear errors, save.
+
+One `Config` of six sections. Every key is a dataclass field, so an unknown key or a value
+of the wrong type is refused at load time, and every impossible layout is refused before a
+single process group exists. `create_config.py` writes through these same types, so what it
+writes always loads.
+"""
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names every problem and its fix."""
+
+
+@dataclass
+class DistributedConfig:
+    dp_size: int = 1            # data parallel: replicas that split the global batch
+    tp_size: int = 1            # tensor parallel: shards of every weight matrix (Megatron)
+    pp_size: int = 1            # pipeline parallel: stages of consecutive layers
+    cp_size: int = 1            # context parallel: shards of every sequence (ring attention)
+    pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
+    use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
+    zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
+
+
+@dataclass
+class ModelConfig:
+    # Field names follow Hugging Face's LlamaConfig so a model's config.json maps 1:1.
+    name: str = "debug"
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # PaLM-style options (Chowdhery et al. 2022, section 2).
+    parallel_residual: bool = False   # x + attn(norm(x)) + mlp(norm(x)) with one shared norm
+    norm_type: str = "rmsnorm"        # rmsnorm | layernorm (LayerNorm without bias, as PaLM)
+    # auto: flash-attn when installed and on GPU, else sdpa; eager: the plain softmax(QK^T)V.
+    attn_implementation: str = "auto"
+
+
+@dataclass
+class TrainingConfig:
+    seed: int = 42
+    learning_rate: float = 3e-4
+    min_lr_ratio: float = 0.1          # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 10
+    total_train_steps: int = 200
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    seq_length: int = 256
+    max_grad_norm: float = 1.0         # 0 disables clipping (the norm is still logged)
+    weight_decay: float = 0.1          # applied to matrices only, not norms
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    dtype: str = "bfloat16"            # float32 | bfloat16: parameters and activations
+    use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
+
+
+@dataclass
+class DatasetConfig:
+    # "embedded": text of this Python's standard library, byte-level (needs no download).
+    # "synthetic": random tokens drawn from the seed and the sample index.
+    name: str = "embedded"
+    subset_name: Optional[str] = None
+    split: str = "train"
+    text_column: str = "text"
+    num_samples: Optional[int] = None
+    num_proc: int = 1
+    tokenizer: Optional[str] = None    # None: the model's tokenizer, "byte": byte-level
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str = "checkpoints"      # relative paths are resolved against the run dir
+    save_frequency: int = 0            # steps between checkpoints; 0: never
+    load_path: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: Optional[str] = None      # default: the folder holding the config file
+    log_frequency: int = 1
+    use_wandb: bool = False
+    project_name: str = "picotron"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class Config:
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def world_size(self) -> int:
+        d = self.distributed
+        return d.dp_size * d.tp_size * d.pp_size * d.cp_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step, summed over micro-batches and DP replicas."""
+        t = self.training
+        return t.micro_batch_size * t.gradient_accumulation_steps * self.distributed.dp_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+
+PP_ENGINES = ("afab", "1f1b", "interleaved")
+DTYPES = ("float32", "bfloat16")
+NORM_TYPES = ("rmsnorm", "layernorm")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
+
+
+def _type_ok(value, hint) -> bool:
+    if typing.get_origin(hint) is typing.Union:          # Optional[X]
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:                                      # JSON writes 1e-4 or 3 alike
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is typing.Union:
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    return "null" if hint is type(None) else hint.__name__
+
+
+def _build_section(cls, raw, section: str, errors: list):
+    if not isinstance(raw, dict):
+        errors.append(f"'{section}' must be a JSON object, got {type(raw).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            near = difflib.get_close_matches(key, hints, n=1)
+            hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
+            errors.append(f"unknown key '{section}.{key}'{hint}; valid keys: {', '.join(hints)}")
+        elif not _type_ok(value, hints[key]):
+            errors.append(f"'{section}.{key}' must be {_type_name(hints[key])}, "
+                          f"got {value!r} ({type(value).__name__})")
+        else:
+            kwargs[key] = float(value) if hints[key] is float else value
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict, world_size: Optional[int] = None) -> Config:
+    """Build and validate a Config; raise one ConfigError listing every problem."""
+    errors = []
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    built = {}
+    for key, value in raw.items():
+        if key not in sections:
+            errors.append(f"unknown section '{key}'; valid sections: {', '.join(sections)}")
+        else:
+            built[key] = _build_section(hints[key], value, key, errors)
+    config = Config(**built)
+    errors += layout_errors(config, world_size)
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+    return config
+
+
+def load_config(path: str, world_size: Optional[int] = None) -> Config:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist; write one with "
+                          f"`python create_config.py --out_dir tmp --exp_name NAME`") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
+    return config_from_dict(raw, world_size)
+
+
+def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
+    """Every reason this config cannot run, each with the values involved and a fix."""
+    d, m, t = config.distributed, config.model, config.training
+    errors = []
+    for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
+        if getattr(d, name) < 1:
+            errors.append(f"distributed.{name}={getattr(d, name)} must be >= 1")
+    if errors:
+        return errors
+    if world_size is not None and config.world_size != world_size:
+        errors.append(
+            f"dp_size*tp_size*pp_size*cp_size = {d.dp_size}*{d.tp_size}*{d.pp_size}*{d.cp_size}"
+            f" = {config.world_size}, but {world_size} processes were launched; launch with "
+            f"`torchrun --nproc_per_node {config.world_size}` or change the sizes")
+    if d.pp_engine not in PP_ENGINES:
+        errors.append(f"distributed.pp_engine='{d.pp_engine}' must be one of {PP_ENGINES}")
+    if d.zero_stage not in (0, 1, 2):
+        errors.append(f"distributed.zero_stage={d.zero_stage} must be 0, 1 or 2")
+    if m.num_attention_heads < 1 or m.num_key_value_heads < 1 or m.num_hidden_layers < 1:
+        errors.append("model.num_attention_heads, num_key_value_heads and num_hidden_layers "
+                      "must all be >= 1")
+        return errors
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                      f"num_attention_heads={m.num_attention_heads}")
+    elif (m.hidden_size // m.num_attention_heads) % 2:
+        errors.append(f"head_dim = hidden_size/num_attention_heads = "
+                      f"{m.hidden_size // m.num_attention_heads} must be even for RoPE")
+    if m.num_attention_heads % m.num_key_value_heads:
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                      f"num_key_value_heads={m.num_key_value_heads}: each kv head serves a "
+                      f"whole group of query heads")
+    if m.num_attention_heads % d.tp_size:
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                      f"tp_size={d.tp_size}; pick a tp_size that divides it")
+    if m.num_key_value_heads % d.tp_size:
+        errors.append(f"model.num_key_value_heads={m.num_key_value_heads} is not divisible by "
+                      f"tp_size={d.tp_size}; pick a tp_size that divides it")
+    if m.intermediate_size % d.tp_size:
+        errors.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
+                      f"tp_size={d.tp_size}")
+    if m.num_hidden_layers < d.pp_size:
+        errors.append(f"model.num_hidden_layers={m.num_hidden_layers} < pp_size={d.pp_size}: "
+                      f"every pipeline stage needs at least one layer; lower pp_size")
+    if d.cp_size > 1 and t.seq_length % (2 * d.cp_size):
+        errors.append(f"training.seq_length={t.seq_length} is not divisible by 2*cp_size="
+                      f"{2 * d.cp_size}: the load-balanced causal split gives each cp rank two "
+                      f"equal chunks; use a multiple of {2 * d.cp_size}")
+    if t.seq_length > m.max_position_embeddings:
+        errors.append(f"training.seq_length={t.seq_length} > model.max_position_embeddings="
+                      f"{m.max_position_embeddings}")
+    if m.norm_type not in NORM_TYPES:
+        errors.append(f"model.norm_type='{m.norm_type}' must be one of {NORM_TYPES}")
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        errors.append(f"model.attn_implementation='{m.attn_implementation}' must be one of "
+                      f"{ATTN_IMPLEMENTATIONS}")
+    if t.dtype not in DTYPES:
+        errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
+    for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",
+                 "total_train_steps"):
+        if getattr(t, name) < 1:
+            errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
+    if t.warmup_steps < 0 or t.warmup_steps > t.total_train_steps:
+        errors.append(f"training.warmup_steps={t.warmup_steps} must be in "
+                      f"[0, total_train_steps={t.total_train_steps}]")
+    if m.vocab_size < 2:
+        errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
+    return errors

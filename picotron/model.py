@@ -1,0 +1,237 @@
+"""One decoder-only transformer: Llama by default, PaLM-style by options. Imports only torch.
+
+Shapes use one legend: B batch, T sequence (this rank's share of it), C hidden size,
+H query heads, K key/value heads, D head dim (C = H*D), V vocabulary.
+
+Parallelism never appears here. It reaches the model only through its structure:
+- projections are separate named `nn.Linear`s (q/k/v/o, gate/up/down) that tensor parallelism
+  swaps for sharded ones; head counts are read off the projections' sizes at run time;
+- layers live in a dict keyed by their global index ("0".."L-1"), so a pipeline stage keeps a
+  subset and every parameter keeps a name that does not depend on the layout;
+- `embed_tokens`, `norm` and `lm_head` may be None (pipeline stages without them);
+- attention goes through `attention_fn(q, k, v, position_ids)`, which context parallelism
+  replaces with ring attention.
+"""
+import importlib.util
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in fp32 (as Llama and Hugging Face do), cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a gain and no bias (PaLM: "no biases in dense kernels or layer norms")."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None,
+                            self.eps).to(x.dtype)
+
+
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
+def rope_cos_sin(position_ids, head_dim: int, theta: float, dtype):
+    """cos, sin of shape (B, T, D) for rotary embeddings (Su et al. 2021), computed in fp32.
+
+    position_ids (B, T) are the tokens' true positions, which need not be 0..T-1: under
+    context parallelism a rank holds two distant chunks of the sequence."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                             dtype=torch.float32) / head_dim))   # (D/2,)
+    freqs = position_ids.float()[..., None] * inv_freq                          # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                      # (B, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x_i, x_{i+D/2}) by position-dependent angles. x: (B, H, T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def eager_attention(q, k, v, position_ids=None):
+    """The readable reference: softmax(q k^T / sqrt(D) + causal mask) v.
+
+    q (B, H, T, D), k and v (B, K, T, D); query head h reads kv head h // (H/K)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    T = q.shape[2]
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def sdpa_attention(q, k, v, position_ids=None):
+    """PyTorch's fused attention (flash / cuDNN / memory-efficient kernels, math on CPU)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flash_attention(q, k, v, position_ids=None):
+    """flash-attn's kernel, which wants (B, T, H, D) and handles GQA itself."""
+    from flash_attn import flash_attn_func
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+def resolve_attention(name: str, device_type: str):
+    """The attention function for `model.attn_implementation` on this device."""
+    if name == "auto":
+        has_flash = importlib.util.find_spec("flash_attn") is not None
+        name = "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
+    return {"eager": eager_attention, "sdpa": sdpa_attention,
+            "flash_attention_2": flash_attention}[name]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, attention_fn):
+        super().__init__()
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        kv_dim = cfg.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.attention_fn = attention_fn
+
+    def forward(self, x, cos, sin, position_ids):
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism the projections hold this rank's heads only.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, K, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, K, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attention_fn(q, k, v, position_ids)                      # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))          # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, attention_fn):
+        super().__init__()
+        norm = NORMS[cfg.norm_type]
+        self.parallel_residual = cfg.parallel_residual
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, attention_fn)
+        # PaLM's parallel block feeds one normalised input to both branches.
+        self.post_attention_layernorm = (None if cfg.parallel_residual
+                                         else norm(cfg.hidden_size, cfg.rms_norm_eps))
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, position_ids):
+        h = self.input_layernorm(x)
+        if self.parallel_residual:                      # x + attn(n(x)) + mlp(n(x))
+            return x + self.self_attn(h, cos, sin, position_ids) + self.mlp(h)
+        x = x + self.self_attn(h, cos, sin, position_ids)   # x + attn(n1(x)), then + mlp(n2(.))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V); on a middle pipeline stage, hidden (B, T, C) in
+    and out."""
+
+    def __init__(self, cfg, attention_fn=sdpa_attention):
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn)
+                                     for i in range(cfg.num_hidden_layers)})
+        self.norm = NORMS[cfg.norm_type](cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:     # one weight; named once, as "embed_tokens.weight"
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, x, position_ids=None):
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)                                       # (B, T, C)
+        B, T, _ = x.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=x.device).expand(B, T)
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, position_ids)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)                                            # (B, T, V)
+        return x
+
+
+def causal_lm_loss(logits, targets):
+    """Mean cross-entropy over all tokens, in fp32. logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Each full parameter has its own stream, from the run's seed and its layout-free name."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def init_full_tensor(name: str, shape, is_norm: bool, seed: int, std: float):
+    """The full (unsharded) initial value of one parameter, drawn on the CPU in fp32 so that
+    every layout and every device starts from the same numbers."""
+    if is_norm:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def materialize(model: nn.Module, seed: int, device, dtype, std: float = 0.02) -> nn.Module:
+    """Replace every meta parameter by its initial value, one parameter at a time.
+
+    A parameter that holds a slice of a larger tensor (tensor parallelism) carries
+    `param.full_shape` and `param.local_slice` (a tuple of slices): the full tensor is drawn,
+    this rank keeps its slice, and the rest is freed before the next parameter."""
+    new = {}
+    for name, p in model.named_parameters():            # tied weights appear once
+        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        full_shape = getattr(p, "full_shape", p.shape)
+        value = init_full_tensor(name, full_shape, isinstance(module, tuple(NORMS.values())),
+                                 seed, std)
+        value = value[getattr(p, "local_slice", ())]
+        param = nn.Parameter(value.to(device=device, dtype=dtype))
+        for attr in ("full_shape", "local_slice"):
+            if hasattr(p, attr):
+                setattr(param, attr, getattr(p, attr))
+        new[id(p)] = param
+    for module in model.modules():                      # swap in place, both ends of a tie
+        for pname, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                module._parameters[pname] = new[id(p)]
+    return model

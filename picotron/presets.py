@@ -1,0 +1,68 @@
+"""`--model_name` -> the fields of the config's `model` section.
+
+Tried in this order: a preset shipped in configs/presets/ (by its name, or by the hub id it
+mirrors, so `HuggingFaceTB/SmolLM-1.7B` works offline), a local directory holding a Hugging
+Face `config.json`, then the Hugging Face hub.
+"""
+import glob
+import json
+import os
+
+from picotron.config import ConfigError, ModelConfig
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "configs", "presets")
+# Hugging Face config keys whose values change the math in ways this model does not implement.
+UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+               "rope_scaling": None, "attention_dropout": 0.0}
+
+
+def presets() -> dict:
+    """{preset name: {"hub_id": str or None, "model": {...}}} for every shipped preset."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(PRESET_DIR, "*.json"))):
+        with open(path) as f:
+            out[os.path.splitext(os.path.basename(path))[0]] = json.load(f)
+    return out
+
+
+def model_fields_from_hf(hf: dict, source: str) -> dict:
+    """Pick ModelConfig's fields out of a Hugging Face LlamaConfig dict; refuse what we can't
+    compute exactly (the message names the key and its value)."""
+    problems = [f"{k}={hf[k]!r} (supported: {v!r})" for k, v in UNSUPPORTED.items()
+                if k in hf and hf[k] != v and not (k == "attention_dropout" and hf[k] == 0)]
+    if hf.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "smollm3"):
+        problems.append(f"model_type={hf.get('model_type')!r} (supported: a Llama-family model)")
+    heads = hf.get("num_attention_heads")
+    if heads and hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        problems.append(f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
+    if problems:
+        raise ConfigError(f"{source} describes a model this framework cannot run exactly: "
+                          + "; ".join(problems))
+    fields = {k: hf[k] for k in ModelConfig.__dataclass_fields__ if k in hf and k != "name"}
+    fields.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def resolve_model(name: str, hf_token: str = None) -> dict:
+    """The model section's fields for `name` (preset, local directory, or hub id)."""
+    for preset, spec in presets().items():
+        if name in (preset, spec.get("hub_id")):
+            return {"name": name, **spec["model"]}
+    if os.path.isdir(name):
+        path = os.path.join(name, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--model_name {name} is a directory without a config.json; "
+                              f"point it at a Hugging Face model directory")
+        with open(path) as f:
+            return {"name": name, **model_fields_from_hf(json.load(f), path)}
+    try:
+        from transformers import AutoConfig
+        hf = AutoConfig.from_pretrained(name, token=hf_token).to_dict()
+    except Exception as e:   # offline, unknown id, gated model: say which and what to do
+        raise ConfigError(
+            f"--model_name '{name}' is not a preset ({', '.join(presets())}), not a local "
+            f"directory, and could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the name, "
+            f"your network, or pass --hf_token for a gated model") from None
+    return {"name": name, **model_fields_from_hf(hf, f"hub config of {name}")}

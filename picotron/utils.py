@@ -1,0 +1,79 @@
+"""Seeding, the learning-rate schedule, FLOPs and MFU, and the metrics log."""
+import json
+import math
+import os
+import random
+
+import torch
+
+# Dense bf16 peak of one GPU, FLOP/s, from the vendors' datasheets (no sparsity).
+PEAK_BF16_FLOPS = {"H200": 989.5e12, "H100": 989.5e12, "A100": 312e12, "L40S": 362e12,
+                   "A10G": 125e12, "RTX 4090": 165.2e12}
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)      # CPU and every CUDA device
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up to `learning_rate` over `warmup_steps`, then cosine decay to
+    `learning_rate * min_lr_ratio` at `total_train_steps`. step counts from 1."""
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    if step <= cfg.warmup_steps:
+        return peak * step / cfg.warmup_steps
+    decay_steps = max(1, cfg.total_train_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+def count_params(model_cfg) -> int:
+    """N: parameters of the whole model, a tied embedding/head counted once."""
+    m = model_cfg
+    head_dim = m.hidden_size // m.num_attention_heads
+    kv = m.num_key_value_heads * head_dim
+    attn = m.hidden_size * (2 * m.hidden_size + 2 * kv)
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    norms = (1 if m.parallel_residual else 2) * m.hidden_size
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    return m.num_hidden_layers * (attn + mlp + norms) + m.hidden_size + embeddings
+
+
+def flops_per_token(model_cfg, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls forward and backward, plus 12*L*C*T for
+    the attention scores and their weighted sum (PaLM paper, appendix B; C = hidden size,
+    T = sequence length; counted as if attention were not causal, as is customary)."""
+    m = model_cfg
+    return 6 * count_params(m) + 12 * m.num_hidden_layers * m.hidden_size * seq_len
+
+
+def peak_flops(device) -> float:
+    """Peak dense bf16 FLOP/s of this GPU, or None (CPU, or a GPU we have no number for)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank)."""
+
+    def __init__(self, path: str, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if enabled:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            open(path, "w").close()
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def format_step(r: dict) -> str:
+    """The one readable line per step."""
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return (f"step {r['step']:>5} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
+            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms")

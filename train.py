@@ -1,0 +1,167 @@
+"""Train: `torchrun --nproc_per_node N train.py --config tmp/NAME/config.json`.
+
+Read top to bottom: set-up (processes, config, grid), build (model on the meta device,
+parallelism, weights), then the training loop. `python train.py --config ...` also works for
+one process without torchrun.
+"""
+import argparse
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from picotron.config import ConfigError, load_config
+from picotron.data import DataError, build_data, micro_batch
+from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
+from picotron.process_group_manager import ProcessGroupManager
+from picotron.utils import (MetricsLog, flops_per_token, count_params, format_step, lr_at,
+                            peak_flops, set_seed)
+
+
+def setup(config_path):
+    """Process group, validated config, device and grid. torchrun's variables are read once."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    config = load_config(config_path, world_size=world_size)
+    if config.distributed.use_cpu:
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        if not torch.cuda.is_available():
+            raise ConfigError("distributed.use_cpu is false but no CUDA GPU is visible; "
+                              "run on a GPU machine or recreate the config with --use_cpu")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    if "RANK" in os.environ:      # launched by torchrun: rendezvous through its variables
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                device_id=device if backend == "nccl" else None)
+    else:                         # plain `python train.py`: a one-process group in memory
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    d = config.distributed
+    pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size)
+    return config, pgm, device
+
+
+def build_model(config, device):
+    """The model is declared on the meta device (no memory), parallelism is applied to that
+    skeleton, and only then does each rank draw the weights it owns."""
+    dtype = getattr(torch, config.training.dtype)
+    attention_fn = resolve_attention(config.model.attn_implementation, device.type)
+    with torch.device("meta"):
+        model = Decoder(config.model, attention_fn)
+    return materialize(model, config.training.seed, device, dtype,
+                       config.model.initializer_range)
+
+
+def build_optimizer(model, config, device):
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    t = config.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = t.use_fused_adam and device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                             eps=t.adam_eps, fused=fused)
+
+
+def train_step(model, data, step, config, pgm, device):
+    """One optimizer step's forward and backward over all micro-batches; returns the mean loss.
+
+    Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
+    those of the mean loss over the global batch."""
+    accum = config.training.gradient_accumulation_steps
+    total = torch.zeros((), device=device)
+    for micro in range(accum):
+        inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
+        logits = model(inputs.to(device))                                  # (B, T, V)
+        loss = causal_lm_loss(logits, targets.to(device)) / accum
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def clip_grad_norm(params, max_norm):
+    """The global gradient norm (logged), and clipping to max_norm when max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def peak_memory_gb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB -> GiB
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Train a picotron model.")
+    parser.add_argument("--config", required=True, help="path to a config.json")
+    args = parser.parse_args(argv)
+
+    # ---- set-up -------------------------------------------------------------------------
+    config, pgm, device = setup(args.config)
+    t = config.training
+    set_seed(t.seed)
+    run_dir = config.logging.run_dir or os.path.dirname(os.path.abspath(args.config))
+    is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0
+                 and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
+    tokens_per_step = config.global_batch_size * t.seq_length
+    flops_tok = flops_per_token(config.model, t.seq_length)
+    peak = peak_flops(device)
+    if is_logger:
+        d = config.distributed
+        print(f"{pgm}\nlayout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
+              f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} ({device.type})"
+              f"\nmodel {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters,"
+              f" {flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T)\n"
+              f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
+              f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
+              f"tokens/step; dtype {t.dtype}; run dir {run_dir}", flush=True)
+
+    # ---- build --------------------------------------------------------------------------
+    model = build_model(config, device)
+    optimizer = build_optimizer(model, config, device)
+    data = build_data(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), enabled=is_logger)
+
+    # ---- train --------------------------------------------------------------------------
+    tokens_seen = 0
+    for step in range(t.total_train_steps):
+        start = time.perf_counter()
+        lr = lr_at(step + 1, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = train_step(model, data, step, config, pgm, device)
+        grad_norm = clip_grad_norm(params, t.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm = loss.item(), grad_norm.item()      # waits for the device
+        step_time = time.perf_counter() - start
+        tokens_seen += tokens_per_step
+        tokens_per_s = tokens_per_step / step_time
+        per_gpu = tokens_per_s / config.world_size
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": tokens_seen, "tokens_per_s": tokens_per_s,
+                  "tokens_per_s_per_gpu": per_gpu, "tflops_per_gpu": per_gpu * flops_tok / 1e12,
+                  "mfu": per_gpu * flops_tok / peak if peak else None,
+                  "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time}
+        metrics.write(record)
+        if is_logger and (step + 1) % config.logging.log_frequency == 0:
+            print(format_step(record), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
