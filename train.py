@@ -13,12 +13,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from picotron.checkpoint import save_weights
 from picotron.config import ConfigError, load_config
 from picotron.data import DataError, build_data, micro_batch
 from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
 from picotron.process_group_manager import ProcessGroupManager
-from picotron.utils import (MetricsLog, flops_per_token, count_params, format_step, lr_at,
-                            peak_flops, set_seed)
+from picotron.data_parallel import sync_gradients
+from picotron.utils import (MetricsLog, clip_grad_norm, count_params, flops_per_token,
+                            format_step, lr_at, peak_flops, set_seed)
 
 
 def setup(config_path):
@@ -43,6 +45,11 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "pp_size", "cp_size")
+               if getattr(d, axis) > 1]
+    if not_yet:     # refused up front rather than trained wrongly
+        raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
+                          f"set it to 1")
     pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size)
     return config, pgm, device
 
@@ -54,6 +61,10 @@ def build_model(config, device):
     attention_fn = resolve_attention(config.model.attn_implementation, device.type)
     with torch.device("meta"):
         model = Decoder(config.model, attention_fn)
+    # Parallelism is applied to the skeleton here, one `apply_<axis>(model, pgm, config)` per
+    # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
+    # split below moves sharded layers), pipeline parallel (keep this stage's layers),
+    # context parallel (swap the attention function for ring attention).
     return materialize(model, config.training.seed, device, dtype,
                        config.model.initializer_range)
 
@@ -83,15 +94,6 @@ def train_step(model, data, step, config, pgm, device):
         loss.backward()
         total += loss.detach()
     return total
-
-
-def clip_grad_norm(params, max_norm):
-    """The global gradient norm (logged), and clipping to max_norm when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
 
 
 def peak_memory_gb(device) -> float:
@@ -140,7 +142,10 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss = train_step(model, data, step, config, pgm, device)
-        grad_norm = clip_grad_norm(params, t.max_grad_norm)
+        sync_gradients(params, pgm)
+        dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
+        loss /= pgm.cp_dp_size
+        grad_norm = clip_grad_norm(params, t.max_grad_norm, pgm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss, grad_norm = loss.item(), grad_norm.item()      # waits for the device
@@ -156,6 +161,10 @@ def main(argv=None):
         metrics.write(record)
         if is_logger and (step + 1) % config.logging.log_frequency == 0:
             print(format_step(record), flush=True)
+        every = config.checkpoint.save_frequency
+        if every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps):
+            save_weights(model, pgm, os.path.join(run_dir, config.checkpoint.save_dir,
+                                                  f"step_{step + 1:06d}"))
     dist.destroy_process_group()
 
 

@@ -266,9 +266,8 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
                  "total_train_steps"):
         if getattr(t, name) < 1:
             errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
-    if t.warmup_steps < 0 or t.warmup_steps > t.total_train_steps:
-        errors.append(f"training.warmup_steps={t.warmup_steps} must be in "
-                      f"[0, total_train_steps={t.total_train_steps}]")
+    if t.warmup_steps < 0:
+        errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
     if m.vocab_size < 2:
         errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
     return errors

@@ -1,0 +1,51 @@
+"""Helpers for tests that run training: write a config, launch it, read what it wrote."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import create_config  # noqa: E402
+from picotron.checkpoint import load_full_weights  # noqa: E402
+
+
+def write_config(tmp_path, name: str, args: list) -> str:
+    """create_config.py with `args` (its command-line flags) into tmp_path/name/config.json."""
+    return create_config.main(["--out_dir", str(tmp_path), "--exp_name", name, "--use_cpu"] + args)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(config_path: str, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run train.py on `nproc` gloo ranks (plain python for one), failing loudly."""
+    if nproc == 1:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", config_path]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
+               "--config", config_path]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(config_path: str) -> list:
+    with open(os.path.join(os.path.dirname(config_path), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def final_weights(config_path: str) -> dict:
+    """The full weights of the last checkpoint of the run (needs checkpoint.save_frequency)."""
+    ckpt_root = os.path.join(os.path.dirname(config_path), "checkpoints")
+    last = sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[-1]
+    return load_full_weights(os.path.join(ckpt_root, last))
