@@ -54,7 +54,7 @@ def setup(config_path):
     return config, pgm, device
 
 
-def build_model(config, device):
+def build_model(config, pgm, device):
     """The model is declared on the meta device (no memory), parallelism is applied to that
     skeleton, and only then does each rank draw the weights it owns."""
     dtype = getattr(torch, config.training.dtype)
@@ -128,7 +128,7 @@ def main(argv=None):
               f"tokens/step; dtype {t.dtype}; run dir {run_dir}", flush=True)
 
     # ---- build --------------------------------------------------------------------------
-    model = build_model(config, device)
+    model = build_model(config, pgm, device)
     optimizer = build_optimizer(model, config, device)
     data = build_data(config)
     params = [p for p in model.parameters() if p.requires_grad]
