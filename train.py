@@ -132,7 +132,7 @@ def main(argv=None):
     optimizer = build_optimizer(model, config, device)
     data = build_data(config)
     params = [p for p in model.parameters() if p.requires_grad]
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), enabled=is_logger)
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config)
 
     # ---- train --------------------------------------------------------------------------
     tokens_seen = 0

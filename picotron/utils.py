@@ -56,18 +56,29 @@ def peak_flops(device) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank)."""
+    """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank),
+    and to Weights & Biases when `logging.use_wandb` is set."""
 
-    def __init__(self, path: str, enabled: bool):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: str, enabled: bool, config=None):
+        self.path, self.enabled, self.wandb = path, enabled, None
         if enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             open(path, "w").close()
+        if enabled and config is not None and config.logging.use_wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("logging.use_wandb is true but wandb is not installed: "
+                                  "`pip install wandb`, or set it to false") from None
+            self.wandb = wandb.init(project=config.logging.project_name,
+                                    name=config.logging.run_name, config=config.to_dict())
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
 
 
 def format_step(r: dict) -> str:

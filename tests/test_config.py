@@ -1,0 +1,124 @@
+"""Bad configs are refused at load time with one message that names the values and the fix."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import create_config
+from launch import ROOT
+from picotron.config import Config, ConfigError, config_from_dict, load_config
+
+BAD_FLAGS = [  # (flags, words the message must contain)
+    (["--tp", "3"], ["num_attention_heads=8", "tp_size=3"]),
+    (["--tp", "8"], ["num_key_value_heads=4", "tp_size=8"]),
+    (["--pp", "8"], ["num_hidden_layers=4", "pp_size=8"]),
+    (["--cp", "3", "--seq_len", "64"], ["seq_length=64", "2*cp_size=6"]),
+    (["--num_attention_heads", "6"], ["num_attention_heads=6", "num_key_value_heads=4"]),
+    (["--set", "training.learnin_rate=0.1"], ["training.learnin_rate", "learning_rate"]),
+    (["--set", "training.micro_batch_size=\"8\""], ["training.micro_batch_size", "int"]),
+    (["--set", "trainin.seed=1"], ["unknown section 'trainin'"]),
+    (["--set", "distributed.pp_engine=gpipe"], ["pp_engine='gpipe'", "1f1b"]),
+    (["--set", "model.norm_type=batchnorm"], ["norm_type='batchnorm'"]),
+    (["--set", "training.dtype=float64"], ["dtype='float64'"]),
+    (["--set", "seed"], ["section.key=value"]),
+    (["--model_name", "no/such-model-anywhere"], ["not a preset", "no/such-model-anywhere"]),
+]
+
+
+@pytest.mark.parametrize("flags,words", BAD_FLAGS)
+def test_create_config_refuses_before_writing(tmp_path, capsys, flags, words):
+    with pytest.raises(SystemExit) as exit_info:
+        create_config.main(["--out_dir", str(tmp_path), "--exp_name", "bad", "--use_cpu"] + flags)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    for word in words:
+        assert word in message, (word, message)
+    assert "Traceback" not in message
+    assert not (tmp_path / "bad").exists()
+
+
+def test_all_problems_reported_at_once():
+    raw = Config().to_dict()
+    raw["distributed"].update(tp_size=3, pp_size=9)
+    raw["training"]["seqq"] = 1
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    text = str(e.value)
+    assert "tp_size=3" in text and "pp_size=9" in text and "training.seqq" in text
+
+
+def test_world_size_mismatch_names_every_factor():
+    raw = Config().to_dict()
+    raw["distributed"].update(dp_size=2, tp_size=2, pp_size=2)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw, world_size=4)
+    assert "2*2*2*1 = 8" in str(e.value) and "--nproc_per_node 8" in str(e.value)
+
+
+def test_written_config_round_trips(tmp_path):
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "ok", "--dp", "2",
+                               "--tp", "2", "--pp", "2", "--use_cpu", "--hf_token", "SECRET",
+                               "--set", "training.warmup_steps=3",
+                               "--set", "dataset.name=synthetic"])
+    config = load_config(path, world_size=8)
+    assert (config.distributed.dp_size, config.distributed.tp_size) == (2, 2)
+    assert config.training.warmup_steps == 3 and config.dataset.name == "synthetic"
+    assert config.training.dtype == "float32"          # --use_cpu implies fp32
+    assert "SECRET" not in open(path).read()
+
+
+def test_hub_id_of_a_preset_resolves_offline(tmp_path):
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "smol",
+                               "--model_name", "HuggingFaceTB/SmolLM-1.7B",
+                               "--num_hidden_layers", "15", "--dp", "8", "--mbs", "4",
+                               "--grad_acc_steps", "32", "--seq_len", "1024"])
+    m = json.load(open(path))["model"]
+    assert (m["hidden_size"], m["num_hidden_layers"], m["vocab_size"]) == (2048, 15, 49152)
+
+
+def test_local_hf_directory_resolves(tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=300, rope_theta=1e4,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu", rope_scaling=None)))
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "loc",
+                               "--model_name", str(d)])
+    m = json.load(open(path))["model"]
+    assert (m["vocab_size"], m["num_key_value_heads"], m["tie_word_embeddings"]) == (300, 2, True)
+    (d / "config.json").write_text(json.dumps(dict(model_type="llama", hidden_size=64,
+                                                   hidden_act="gelu", num_attention_heads=4)))
+    with pytest.raises(SystemExit):
+        create_config.main(["--out_dir", str(tmp_path), "--exp_name", "gelu",
+                            "--model_name", str(d)])
+
+
+def run_train(config_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                           str(config_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_train_refuses_bad_configs_with_exit_code(tmp_path):
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "dp2", "--dp", "2",
+                               "--use_cpu"])
+    proc = run_train(path)          # one process, but the layout needs two
+    assert proc.returncode == 2
+    assert "--nproc_per_node 2" in proc.stderr and "Traceback" not in proc.stderr
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    proc = run_train(bad)
+    assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+    proc = run_train(tmp_path / "missing.json")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_readme_config_reference_lists_every_key():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for section, values in Config().to_dict().items():
+        for key in values:
+            assert f"| `{section}.{key}` |" in readme, f"{section}.{key} missing from README"
