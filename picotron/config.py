@@ -26,6 +26,8 @@ class DistributedConfig:
     pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
+    bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
+    offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
 
 
 @dataclass
@@ -65,7 +67,10 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
-    dtype: str = "bfloat16"            # float32 | bfloat16: parameters and activations
+    dtype: str = "bfloat16"            # float32 | bfloat16 | float16: parameters, activations
+    master_weights: bool = True        # fp32 master weights and AdamW moments (bf16/fp16)
+    initial_loss_scale: float = 65536.0  # float16 only: dynamic loss scaling
+    loss_scale_window: int = 1000      # good steps before the loss scale doubles
     use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
 
 
@@ -128,7 +133,7 @@ class Config:
 
 
 PP_ENGINES = ("afab", "1f1b", "interleaved")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
 
@@ -268,6 +273,16 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
             errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
     if t.warmup_steps < 0:
         errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if not 0.0 <= d.offload_optim_frac <= 1.0:
+        errors.append(f"distributed.offload_optim_frac={d.offload_optim_frac} must be in [0, 1]")
+    if d.bucket_size_mb <= 0:
+        errors.append(f"distributed.bucket_size_mb={d.bucket_size_mb} must be > 0")
+    if t.dtype == "float16" and not t.master_weights:
+        errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
+                      "weights cannot absorb small updates, and loss scaling unscales into them")
+    if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
+        errors.append(f"training.initial_loss_scale={t.initial_loss_scale} and "
+                      f"loss_scale_window={t.loss_scale_window} must be >= 1")
     if m.vocab_size < 2:
         errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
     return errors
