@@ -24,6 +24,8 @@ sharded across TP or replicated (`local_slice`), counted in the grad norm or not
 import torch
 import torch.distributed as dist
 
+from picotron.comm import all_gather_single, reduce_scatter_single
+
 
 class Bucket:
     def __init__(self, params, dtype, device, shards: int):
@@ -139,7 +141,7 @@ class GradBuckets:
         if self.zero_stage == 2:
             bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=torch.float32,
                                             device=grads.device)
-            bucket.work = dist.reduce_scatter_tensor(bucket.grad_shard, grads,
+            bucket.work = reduce_scatter_single(bucket.grad_shard, grads,
                                                      group=self.group, async_op=True)
         else:
             bucket.work = dist.all_reduce(grads, group=self.group, async_op=True)
@@ -176,4 +178,4 @@ class GradBuckets:
         if self.shards == 1:
             return
         for b in self.buckets:
-            dist.all_gather_into_tensor(b.params, self.param_shard(b).clone(), group=self.group)
+            all_gather_single(b.params, self.param_shard(b).clone(), group=self.group)
