@@ -16,8 +16,10 @@ import torch.distributed as dist
 from picotron.checkpoint import save_weights
 from picotron.config import ConfigError, load_config
 from picotron.data import DataError, build_data, micro_batch
-from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
+from picotron.model import Decoder, materialize, resolve_attention
 from picotron.process_group_manager import ProcessGroupManager
+from picotron.tensor_parallel import (apply_tensor_parallel, loss_function,
+                                      sync_sequence_parallel_grads)
 from picotron.data_parallel import sync_gradients
 from picotron.utils import (MetricsLog, clip_grad_norm, count_params, flops_per_token,
                             format_step, lr_at, peak_flops, set_seed)
@@ -45,7 +47,7 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "pp_size", "cp_size")
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("pp_size", "cp_size")
                if getattr(d, axis) > 1]
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
@@ -65,6 +67,7 @@ def build_model(config, pgm, device):
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
+    model = apply_tensor_parallel(model, pgm, config)
     return materialize(model, config.training.seed, device, dtype,
                        config.model.initializer_range)
 
@@ -80,7 +83,7 @@ def build_optimizer(model, config, device):
                              eps=t.adam_eps, fused=fused)
 
 
-def train_step(model, data, step, config, pgm, device):
+def train_step(model, loss_fn, data, step, config, pgm, device):
     """One optimizer step's forward and backward over all micro-batches; returns the mean loss.
 
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
@@ -90,7 +93,7 @@ def train_step(model, data, step, config, pgm, device):
     for micro in range(accum):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
         logits = model(inputs.to(device))                                  # (B, T, V)
-        loss = causal_lm_loss(logits, targets.to(device)) / accum
+        loss = loss_fn(logits, targets.to(device)) / accum
         loss.backward()
         total += loss.detach()
     return total
@@ -130,6 +133,7 @@ def main(argv=None):
     # ---- build --------------------------------------------------------------------------
     model = build_model(config, pgm, device)
     optimizer = build_optimizer(model, config, device)
+    loss_fn = loss_function(pgm, config)     # vocab-parallel when the logits are TP-sharded
     data = build_data(config)
     params = [p for p in model.parameters() if p.requires_grad]
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), enabled=is_logger)
@@ -141,8 +145,9 @@ def main(argv=None):
         lr = lr_at(step + 1, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = train_step(model, data, step, config, pgm, device)
+        loss = train_step(model, loss_fn, data, step, config, pgm, device)
         sync_gradients(params, pgm)
+        sync_sequence_parallel_grads(params, pgm, config)   # norm weights saw T/tp tokens
         dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
         loss /= pgm.cp_dp_size
         grad_norm = clip_grad_norm(params, t.max_grad_norm, pgm)
