@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-import train
 from launch import ROOT, final_weights, launch, launch_script, read_metrics, write_config
+import train  # noqa: E402  (importable once launch has put the repository on sys.path)
 from picotron.config import ConfigError, config_from_dict
 
 STEPS = 5
@@ -54,7 +54,12 @@ def reference(tmp_path_factory):
         if (tied, arch) not in runs:
             path = write_config(tmp_path_factory.mktemp("ref"), f"tp1-{arch}-tied{tied}",
                                 model_args(tied, arch))
-            train.main(["--config", path])        # one process, in this one
+            threads = torch.get_num_threads()     # one process, in this one, on one thread
+            torch.set_num_threads(1)              # like the launched ranks (OMP_NUM_THREADS=1)
+            try:
+                train.main(["--config", path])
+            finally:
+                torch.set_num_threads(threads)
             runs[(tied, arch)] = (read_metrics(path), final_weights(path))
         return runs[(tied, arch)]
     return get
