@@ -16,9 +16,10 @@ import torch.distributed as dist
 from picotron.checkpoint import save_weights
 from picotron.config import ConfigError, load_config
 from picotron.data import DataError, build_data, micro_batch
-from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
+from picotron.model import Decoder, materialize, resolve_attention
 from picotron.process_group_manager import ProcessGroupManager
 from picotron.data_parallel import DistributedAdamW, GradBuckets
+from picotron.tensor_parallel import apply_tensor_parallel, loss_function
 from picotron.utils import (MetricsLog, count_params, flops_per_token, format_step, lr_at,
                             peak_flops, set_seed)
 
@@ -45,7 +46,7 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "pp_size", "cp_size")
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("pp_size", "cp_size")
                if getattr(d, axis) > 1]
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
@@ -65,11 +66,12 @@ def build_model(config, pgm, device):
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
+    model = apply_tensor_parallel(model, pgm, config)
     return materialize(model, config.training.seed, device, dtype,
                        config.model.initializer_range)
 
 
-def train_step(model, grads, data, step, config, pgm, device, loss_scale):
+def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
     """One optimizer step's forward and backward over all micro-batches; returns the mean loss.
 
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
@@ -80,7 +82,7 @@ def train_step(model, grads, data, step, config, pgm, device, loss_scale):
     for micro in range(accum):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
         logits = model(inputs.to(device))                                  # (B, T, V)
-        loss = causal_lm_loss(logits, targets.to(device)) / accum
+        loss = loss_fn(logits, targets.to(device)) / accum
         grads.sync = micro == accum - 1
         (loss * loss_scale).backward()
         total += loss.detach()
@@ -122,6 +124,7 @@ def main(argv=None):
     model = build_model(config, pgm, device)
     grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
     optimizer = DistributedAdamW(grads, pgm, config)
+    loss_fn = loss_function(pgm, config)     # vocab-parallel when the logits are TP-sharded
     data = build_data(config)
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config)
 
@@ -130,7 +133,8 @@ def main(argv=None):
     for step in range(t.total_train_steps):
         start = time.perf_counter()
         lr = lr_at(step + 1, t)
-        loss = train_step(model, grads, data, step, config, pgm, device, optimizer.scaler.scale)
+        loss = train_step(model, loss_fn, grads, data, step, config, pgm, device,
+                          optimizer.scaler.scale)
         grads.finish()                                  # wait for the gradient reductions
         dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
         loss /= pgm.cp_dp_size

@@ -28,6 +28,7 @@ class DistributedConfig:
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
     bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
     offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
+    sequence_parallel: bool = False  # with tp: shard norms/residuals along T (Korthikanti 22)
 
 
 @dataclass
@@ -246,7 +247,16 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
                       f"tp_size={d.tp_size}; pick a tp_size that divides it")
     if m.num_key_value_heads % d.tp_size:
         errors.append(f"model.num_key_value_heads={m.num_key_value_heads} is not divisible by "
-                      f"tp_size={d.tp_size}; pick a tp_size that divides it")
+                      f"tp_size={d.tp_size}: each TP rank holds whole kv heads (they are not "
+                      f"replicated across ranks); pick a tp_size that divides it")
+    per_rank = -(-m.vocab_size // d.tp_size)          # vocab rows per TP rank, padded
+    if (d.tp_size - 1) * per_rank >= m.vocab_size:
+        errors.append(f"model.vocab_size={m.vocab_size} split over tp_size={d.tp_size} "
+                      f"({per_rank} rows each) leaves the last TP rank no rows; lower tp_size")
+    if d.sequence_parallel and d.tp_size > 1 and t.seq_length % (d.cp_size * d.tp_size):
+        errors.append(f"distributed.sequence_parallel: training.seq_length={t.seq_length} is "
+                      f"not divisible by cp_size*tp_size={d.cp_size * d.tp_size}: each TP rank "
+                      f"holds an equal chunk of its sequence; use a multiple of it")
     if m.intermediate_size % d.tp_size:
         errors.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
                       f"tp_size={d.tp_size}")

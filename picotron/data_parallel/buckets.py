@@ -19,7 +19,10 @@ stage 2 reduce-scatters, so each rank receives only the sum of its own shard, an
 buffer is freed until the next backward.
 
 Buckets are homogeneous in what the optimizer and the norm need to know: weight decay or not,
-sharded across TP or replicated (`local_slice`), counted in the grad norm or not.
+sharded across TP or replicated (`local_slice`), counted in the grad norm or not
+(`grad_norm_skip`), and whether other ranks hold partial gradients of the same weight that
+must be summed first (`grad_sum_group`: norm weights under sequence parallelism, a tied
+embedding split across pipeline stages).
 """
 import torch
 import torch.distributed as dist
@@ -41,6 +44,7 @@ class Bucket:
         self.weight_decay = p0.dim() >= 2
         self.tp_sharded = hasattr(p0, "local_slice")
         self.norm_skip = getattr(p0, "grad_norm_skip", False)
+        self.sum_group = getattr(p0, "grad_sum_group", None)
         self.offsets = []
         offset = 0
         for p in params:
@@ -59,7 +63,8 @@ class Bucket:
 
 
 def bucket_key(p):
-    return (p.dim() >= 2, hasattr(p, "local_slice"), getattr(p, "grad_norm_skip", False))
+    return (p.dim() >= 2, hasattr(p, "local_slice"), getattr(p, "grad_norm_skip", False),
+            getattr(p, "grad_sum_group", None))
 
 
 class GradBuckets:
@@ -135,6 +140,8 @@ class GradBuckets:
         self.launch_log.append((self.buckets.index(bucket), self._ready_total))
         bucket.launched = True
         grads = bucket.grad_buffer()
+        if bucket.sum_group is not None:     # partial gradients of one weight: add them first
+            dist.all_reduce(grads, group=bucket.sum_group)
         grads.div_(self.size)
         if self.size == 1:
             return
