@@ -125,12 +125,13 @@ def _tokenize_to_file(config, split: str, cache_dir: str) -> str:
 def dataset_tokens(config, split: str, run_dir=None) -> torch.Tensor:
     """(N,) token stream of `split`. Collective when a process group exists."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if run_dir is None:
+    if run_dir is None:      # one process, no run directory (tests, notebooks): in memory
         if distributed:
             raise DataError("a Hugging Face dataset on several ranks needs a run directory "
                             "for the shared token cache")
         import tempfile
-        run_dir = tempfile.mkdtemp(prefix="picotron-data-")
+        with tempfile.TemporaryDirectory(prefix="picotron-data-") as tmp:
+            return torch.from_numpy(np.load(_tokenize_to_file(config, split, tmp)))
     cache_dir = os.path.join(run_dir, "data_cache")
     box = [None, None]                                   # [path, error message]
     if not distributed or dist.get_rank() == 0:
