@@ -131,6 +131,11 @@ def build_train_val(config, run_dir=None):
         if m.vocab_size < 256:
             raise DataError(f"the embedded corpus is byte-level and needs "
                             f"model.vocab_size >= 256, got {m.vocab_size}")
+        if config.checkpoint.init_from and d.tokenizer != "byte":
+            raise DataError(f"the embedded corpus is byte-level, but the weights of "
+                            f"{config.checkpoint.init_from} expect their own tokenizer; set "
+                            f"dataset.name to a dataset (it is tokenized with the model's "
+                            f"tokenizer), or dataset.tokenizer='byte' if you mean it")
         # num_samples counts windows here (the corpus has no rows).
         return split_stream(embedded_corpus_bytes(), config, d.num_samples)
     from picotron.tokenized_data import dataset_tokens

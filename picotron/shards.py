@@ -54,7 +54,7 @@ def _open(path: str):
 
 
 def index_shards(paths: list, checksums: dict = None) -> dict:
-    """{name: [(path, bounds, full_shape), ...]} over the given shard files.
+    """{name: [(path, bounds, full_shape, key in the file), ...]} over the given shard files.
 
     checksums {file name: sha256} (from state.json) are verified first. A file without a
     "layout" (Hugging Face's) holds whole tensors."""
@@ -75,7 +75,7 @@ def index_shards(paths: list, checksums: dict = None) -> dict:
                 else:
                     full = list(f.get_slice(name).get_shape())
                     bounds = [[0, n] for n in full]
-                index.setdefault(name, []).append((path, bounds, full))
+                index.setdefault(name, []).append((path, bounds, full, name))
     return index
 
 
@@ -91,14 +91,14 @@ def read_slice(index: dict, name: str, bounds: list, dtype=None) -> torch.Tensor
     shape = [b - a for a, b in bounds]
     numel = int(torch.Size(shape).numel())
     out, covered = None, 0
-    for path, piece, _ in index[name]:
+    for path, piece, _, key in index[name]:
         lo = [max(a, p) for (a, _), (p, _) in zip(bounds, piece)]
         hi = [min(b, q) for (_, b), (_, q) in zip(bounds, piece)]
         if any(l >= h for l, h in zip(lo, hi)):
             continue                                          # no overlap
         with _open(path) as f:
             try:
-                part = f.get_slice(name)[tuple(slice(l - p, h - p) for l, h, (p, _)
+                part = f.get_slice(key)[tuple(slice(l - p, h - p) for l, h, (p, _)
                                                in zip(lo, hi, piece))]
             except Exception as e:
                 raise CheckpointError(f"{path}: reading '{name}' failed ({type(e).__name__}: "
