@@ -89,6 +89,9 @@ def save_checkpoint(model, optimizer, pgm, config, save_root: str, step: int, st
         if config.checkpoint.keep_last:
             for old in complete_checkpoints(save_root)[:-config.checkpoint.keep_last]:
                 _remove(old)
+        for debris in glob.glob(os.path.join(save_root, "step_*.tmp")) + glob.glob(
+                os.path.join(save_root, "step_*.deleting")):      # left by earlier crashes
+            shutil.rmtree(debris, ignore_errors=True)
     dist.barrier()
     return directory
 
