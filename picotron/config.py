@@ -73,26 +73,33 @@ class TrainingConfig:
     initial_loss_scale: float = 65536.0  # float16 only: dynamic loss scaling
     loss_scale_window: int = 1000      # good steps before the loss scale doubles
     use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
+    val_frequency: int = 0             # steps between val_loss evaluations; 0: never
 
 
 @dataclass
 class DatasetConfig:
     # "embedded": text of this Python's standard library, byte-level (needs no download).
     # "synthetic": random tokens drawn from the seed and the sample index.
+    # Anything else: a Hugging Face dataset id or a local path (directory, or text / json /
+    # jsonl / parquet / arrow files), tokenized once (picotron/tokenized_data.py).
     name: str = "embedded"
     subset_name: Optional[str] = None
     split: str = "train"
     text_column: str = "text"
-    num_samples: Optional[int] = None
-    num_proc: int = 1
+    num_samples: Optional[int] = None  # rows (documents) kept; windows for "embedded"
+    num_proc: int = 1                  # processes that tokenize (datasets.map)
     tokenizer: Optional[str] = None    # None: the model's tokenizer, "byte": byte-level
+    val_split: Optional[str] = None    # held-out split; None: carve val_samples off the end
+    val_samples: int = 0               # validation windows (seq_length+1 tokens); 0: none
 
 
 @dataclass
 class CheckpointConfig:
     save_dir: str = "checkpoints"      # relative paths are resolved against the run dir
-    save_frequency: int = 0            # steps between checkpoints; 0: never
-    load_path: Optional[str] = None
+    save_frequency: int = 0            # steps between checkpoints (and the last); 0: never
+    keep_last: int = 0                 # checkpoints kept, oldest deleted first; 0: keep all
+    load_path: Optional[str] = None    # resume: a checkpoint directory or "latest"
+    init_from: Optional[str] = None    # Hugging Face weights (dir or hub id) to start from
 
 
 @dataclass
@@ -295,4 +302,12 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
                       f"loss_scale_window={t.loss_scale_window} must be >= 1")
     if m.vocab_size < 2:
         errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
+    errors += [f"{k}={v} must be >= 0" for k, v in (
+        ("training.val_frequency", t.val_frequency), ("dataset.val_samples",
+         config.dataset.val_samples), ("checkpoint.save_frequency",
+         config.checkpoint.save_frequency), ("checkpoint.keep_last", config.checkpoint.keep_last))
+        if v < 0]
+    if t.val_frequency > 0 and config.dataset.val_samples == 0:
+        errors.append(f"training.val_frequency={t.val_frequency} but dataset.val_samples=0: "
+                      f"set dataset.val_samples to the number of held-out windows")
     return errors
