@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from picotron.checkpoint import save_weights
 from picotron.config import ConfigError, load_config
+from picotron.context_parallel import apply_context_parallel, shard_sequence
 from picotron.data import DataError, build_data, micro_batch
 from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
 from picotron.process_group_manager import ProcessGroupManager
@@ -45,7 +46,7 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "pp_size", "cp_size")
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "pp_size")
                if getattr(d, axis) > 1]
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
@@ -65,6 +66,7 @@ def build_model(config, pgm, device):
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
+    model = apply_context_parallel(model, pgm, config)
     return materialize(model, config.training.seed, device, dtype,
                        config.model.initializer_range)
 
@@ -89,7 +91,10 @@ def train_step(model, data, step, config, pgm, device):
     total = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
-        logits = model(inputs.to(device))                                  # (B, T, V)
+        # Context parallel: this rank's zigzag share of the tokens, their targets and true
+        # positions (all of them, positions 0..T-1, when cp_size is 1).
+        inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
+        logits = model(inputs.to(device), position_ids.to(device))         # (B, T, V)
         loss = causal_lm_loss(logits, targets.to(device)) / accum
         loss.backward()
         total += loss.detach()
