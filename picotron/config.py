@@ -23,6 +23,7 @@ class DistributedConfig:
     tp_size: int = 1            # tensor parallel: shards of every weight matrix (Megatron)
     pp_size: int = 1            # pipeline parallel: stages of consecutive layers
     cp_size: int = 1            # context parallel: shards of every sequence (ring attention)
+    cp_mode: str = "ring"       # ring: K/V pass around the ring | ulysses: all-to-all over heads
     pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
@@ -128,6 +129,7 @@ class Config:
 
 
 PP_ENGINES = ("afab", "1f1b", "interleaved")
+CP_MODES = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
@@ -252,6 +254,15 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
         errors.append(f"training.seq_length={t.seq_length} is not divisible by 2*cp_size="
                       f"{2 * d.cp_size}: the load-balanced causal split gives each cp rank two "
                       f"equal chunks; use a multiple of {2 * d.cp_size}")
+    if d.cp_mode not in CP_MODES:
+        errors.append(f"distributed.cp_mode='{d.cp_mode}' must be one of {CP_MODES}")
+    elif d.cp_mode == "ulysses" and d.cp_size > 1:
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(m, name)
+            if heads % (d.tp_size * d.cp_size):
+                errors.append(f"distributed.cp_mode='ulysses' splits each rank's heads over cp: "
+                              f"model.{name}={heads} is not divisible by tp_size*cp_size="
+                              f"{d.tp_size}*{d.cp_size}; use cp_mode='ring' or other sizes")
     if t.seq_length > m.max_position_embeddings:
         errors.append(f"training.seq_length={t.seq_length} > model.max_position_embeddings="
                       f"{m.max_position_embeddings}")

@@ -4,10 +4,11 @@ against `eager_attention` on the whole sequence in one process.
 Every rank draws the same full q, k, v and output gradient from one seed, computes the
 reference on all of it, then runs the context-parallel attention on its zigzag share and
 compares outputs and dQ/dK/dV with its share of the reference. It also counts the chunk pairs
-each ring step computes (by wrapping the block kernels), for the balance test. Each rank writes
-<out>/rank<r>.json.
+each ring step computes (by wrapping the block kernels), for the balance test. Ulysses (the
+all-to-all mode) is checked the same way. Each rank writes <out>/rank<r>.json.
 """
 import argparse
+import functools
 import json
 import os
 
@@ -17,13 +18,23 @@ import torch.distributed as dist
 from picotron.context_parallel import kernels, ring_attention as ring_module
 from picotron.context_parallel.ring_attention import ring_attention
 from picotron.context_parallel.sharding import shard_along
-from picotron.model import eager_attention
+from picotron.context_parallel.ulysses import ulysses_attention
+from picotron.model import eager_attention, sdpa_attention
 from picotron.process_group_manager import ProcessGroupManager
 
 B, D, CHUNK = 2, 8, 4          # batch, head dim, tokens per zigzag chunk (T = 2 * cp * CHUNK)
-CASES = [  # (name, query heads H, kv heads K, fused kernel)
-    ("gqa_reference", 4, 2, False), ("mqa_reference", 4, 1, False),
-    ("mha_reference", 2, 2, False), ("gqa_fused", 4, 2, True), ("mqa_fused", 4, 1, True)]
+
+
+def cases(cp):
+    """(name, query heads H, kv heads K, attention). Ulysses needs K divisible by cp."""
+    ring = {fused: functools.partial(ring_attention, fused=fused) for fused in (False, True)}
+    return [("gqa_reference", 4, 2, ring[False]), ("mqa_reference", 4, 1, ring[False]),
+            ("mha_reference", 2, 2, ring[False]), ("gqa_fused", 4, 2, ring[True]),
+            ("mqa_fused", 4, 1, ring[True]),
+            ("ulysses_gqa_eager", 2 * cp, cp, functools.partial(ulysses_attention,
+                                                                attention_fn=eager_attention)),
+            ("ulysses_mha_sdpa", cp, cp, functools.partial(ulysses_attention,
+                                                           attention_fn=sdpa_attention))]
 
 
 def rel_err(a, b) -> float:
@@ -54,7 +65,7 @@ def main():
     counts = []
     for name in ("reference_block_forward", "fused_block_forward"):
         setattr(ring_module, name, counting(getattr(kernels, name), counts, CHUNK))
-    for name, H, K, fused in CASES:
+    for name, H, K, attention in cases(cp):
         g = torch.Generator().manual_seed(1234)
         q, k, v = (torch.randn(B, n, T, D, generator=g) for n in (H, K, K))
         dout = torch.randn(B, H, T, D, generator=g)
@@ -63,7 +74,7 @@ def main():
         ref.backward(dout)
         local = [shard_along(t, 2, pgm.cp_rank, cp).requires_grad_() for t in (q, k, v)]
         counts.append(0)
-        out = ring_attention(*local, pgm=pgm, fused=fused)
+        out = attention(*local, pgm=pgm)
         out.backward(shard_along(dout, 2, pgm.cp_rank, cp))
         errors = {"out": rel_err(out, shard_along(ref, 2, pgm.cp_rank, cp))}
         for tname, mine, theirs in zip(("dq", "dk", "dv"), local, full):

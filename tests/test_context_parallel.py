@@ -18,6 +18,8 @@ import torch
 
 from launch import ROOT, final_weights, free_port, launch, read_metrics, write_config
 
+from picotron.config import Config, ConfigError, config_from_dict
+from picotron.context_parallel.kernels import fused_block_forward, reference_block_forward
 from picotron.context_parallel.ring_attention import block_plan
 from picotron.context_parallel.sharding import shard_sequence, zigzag_positions
 
@@ -39,6 +41,26 @@ def test_zigzag_sharding_moves_positions_and_targets_with_tokens():
             assert p[0, 0] == r * chunk and p[0, -1] == (2 * cp - r) * chunk - 1
     with pytest.raises(ValueError, match="divisible by 2\\*cp_size=8"):
         zigzag_positions(20, 0, 4)
+
+
+def layout(**sections):
+    raw = Config().to_dict()
+    for section, values in sections.items():
+        raw[section].update(values)
+    return raw
+
+
+def test_config_refuses_what_context_parallelism_cannot_run():
+    with pytest.raises(ConfigError, match="seq_length=36 is not divisible by 2\\*cp_size=8"):
+        config_from_dict(layout(distributed={"cp_size": 4}, training={"seq_length": 36}))
+    with pytest.raises(ConfigError, match="cp_mode='tree' must be one of"):
+        config_from_dict(layout(distributed={"cp_size": 2, "cp_mode": "tree"}))
+    # Ulysses splits heads over cp: MQA's single kv head cannot be split (ring attention can).
+    mqa = {"num_attention_heads": 4, "num_key_value_heads": 1}
+    with pytest.raises(ConfigError, match="num_key_value_heads=1 is not divisible by tp_size"):
+        config_from_dict(layout(distributed={"cp_size": 2, "cp_mode": "ulysses"}, model=mqa))
+    config_from_dict(layout(distributed={"cp_size": 2, "cp_mode": "ring"}, model=mqa))
+    config_from_dict(layout(distributed={"cp_size": 2, "cp_mode": "ulysses"}))
 
 
 def chunk_pairs(q_rows, k_rows, causal, chunk):
@@ -71,6 +93,25 @@ def test_ring_schedule_is_balanced_and_covers_causal_attention_once(cp):
     assert torch.equal(seen, torch.ones(T, T, dtype=torch.long).tril())
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_block_kernel_matches_reference(device):
+    """The fused kernels' out and LSE (natural log, unpadded) equal the reference's, on a
+    diagonal causal block and on a rectangular unmasked one, with GQA, lengths not multiples
+    of 32 (the CUDA kernel pads its LSE)."""
+    g = torch.Generator().manual_seed(0)
+    for Tq, Tk, causal in ((40, 40, True), (20, 40, False), (8, 8, True)):
+        q = torch.randn(2, 4, Tq, 16, generator=g).to(device)
+        k, v = (torch.randn(2, 2, Tk, 16, generator=g).to(device) for _ in range(2))
+        ref_out, ref_lse = reference_block_forward(q, k, v, causal)
+        out, lse = fused_block_forward(q, k, v, causal)
+        assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+        for a, b in ((out, ref_out), (lse, ref_lse)):
+            assert ((a - b).abs().max() / b.abs().max()).item() <= REL_TOL
+
+
 def run_attention_worker(tmp_path, cp: int) -> list:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cp),
            "--master_port", str(free_port()), os.path.join(ROOT, "tests", "cp_attention_worker.py"),
@@ -83,17 +124,19 @@ def run_attention_worker(tmp_path, cp: int) -> list:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_full_attention(tmp_path, cp):
-    """Causal GQA, MQA and MHA, reference and fused block kernels: outputs and dQ/dK/dV of each
-    rank's zigzag share equal eager attention on the whole sequence; the kernels, counted as
-    they run, compute the same number of chunk pairs on every rank."""
+    """Causal GQA, MQA and MHA, reference and fused block kernels, and Ulysses: outputs and
+    dQ/dK/dV of each rank's zigzag share equal eager attention on the whole sequence; the ring's
+    kernels, counted as they run, compute the same number of chunk pairs on every rank."""
     results = run_attention_worker(tmp_path, cp)
     cases = [k for k in results[0] if k != "cp_rank"]
-    assert {"gqa_reference", "mqa_reference", "gqa_fused", "mqa_fused"} <= set(cases)
+    assert {"gqa_reference", "mqa_reference", "gqa_fused", "mqa_fused", "ulysses_gqa_eager",
+            "ulysses_mha_sdpa"} <= set(cases)
     for res in results:
         for case in cases:
             for name, err in res[case]["errors"].items():
                 assert err <= REL_TOL, f"cp={cp} rank {res['cp_rank']} {case} {name}: {err:.2e}"
-            assert res[case]["chunk_pairs"] == 2 * cp + 1, (case, res)
+            if not case.startswith("ulysses"):
+                assert res[case]["chunk_pairs"] == 2 * cp + 1, (case, res)
 
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
@@ -119,7 +162,8 @@ def assert_same_run(config, nproc, reference):
     # (cp, dp, extra flags). Global batch 4 sequences in every run, two micro-batches per step.
     ("llama", [(2, 1, ["--mbs", "2", "--set", "model.attn_implementation=eager"]),
                (2, 2, ["--mbs", "1"]),
-               (4, 2, ["--mbs", "1"])]),
+               (4, 2, ["--mbs", "1"]),
+               (2, 1, ["--mbs", "2", "--set", "distributed.cp_mode=ulysses"])]),
     ("palm", [(4, 1, ["--mbs", "2"]),
               (2, 2, ["--mbs", "1"])]),
 ])
@@ -127,7 +171,7 @@ def test_training_matches_single_process(tmp_path, model, runs):
     base = TINY + ["--grad_acc_steps", "2"] + (PALM if model == "palm" else [])
     reference = write_config(tmp_path, "reference", base + ["--mbs", "2"])
     launch(reference, 1)
-    for cp, dp, extra in runs:
-        config = write_config(tmp_path, f"cp{cp}_dp{dp}", base + ["--cp", str(cp), "--dp",
-                                                                   str(dp)] + extra)
+    for i, (cp, dp, extra) in enumerate(runs):
+        config = write_config(tmp_path, f"run{i}_cp{cp}_dp{dp}", base + ["--cp", str(cp), "--dp",
+                                                                         str(dp)] + extra)
         assert_same_run(config, cp * dp, reference)

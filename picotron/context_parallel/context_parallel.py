@@ -9,19 +9,26 @@ tokens just as dp ranks do.
 import functools
 
 from picotron.context_parallel.ring_attention import ring_attention
+from picotron.context_parallel.ulysses import ulysses_attention
 
 
 def apply_context_parallel(model, pgm, config):
-    """Swap each layer's `self_attn.attention_fn` for ring attention over pgm.cp_group.
+    """Swap each layer's `self_attn.attention_fn` for context-parallel attention over
+    pgm.cp_group: ring attention, or Ulysses when distributed.cp_mode = "ulysses".
 
     Called on the meta-device skeleton, after tensor and pipeline parallelism: it only needs
     the layers this stage kept, whatever heads tensor parallelism left them. cp_size 1 leaves
-    the model untouched. The per-block kernel is the fused one unless the config asks for the
-    eager reference (model.attn_implementation = "eager")."""
+    the model untouched. Ring attention's per-block kernel is the fused one unless the config
+    asks for the eager reference (model.attn_implementation = "eager"); Ulysses wraps the
+    layer's own attention function, whichever it is."""
     if pgm.cp_size == 1:
         return model
     fused = config.model.attn_implementation != "eager"
-    attention_fn = functools.partial(ring_attention, pgm=pgm, fused=fused)
     for layer in model.layers.values():
-        layer.self_attn.attention_fn = attention_fn
+        attn = layer.self_attn
+        if config.distributed.cp_mode == "ulysses":
+            attn.attention_fn = functools.partial(ulysses_attention, pgm=pgm,
+                                                  attention_fn=attn.attention_fn)
+        else:
+            attn.attention_fn = functools.partial(ring_attention, pgm=pgm, fused=fused)
     return model

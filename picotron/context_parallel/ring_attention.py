@@ -16,8 +16,9 @@ Which of the four (query chunk, key chunk) pairs a step computes follows from th
             of the keys, no mask;
     j >  r  both of j's chunks lie between our early and our late chunk: our late half of the
             queries x all keys, no mask.
-Every rank so computes 3 chunk pairs at step 0 (two of them half-masked diagonals... one full)
-and 2 at every other step: the same work everywhere (the `balance` test counts them).
+Every rank so computes 3 chunk pairs at step 0 (two causal diagonals and one full block) and 2
+at every other step, 2cp+1 in all: the same work everywhere (tests/test_context_parallel.py
+counts them).
 
 Per-block results merge with the log-sum-exp, kept in fp32 whatever the activation dtype: in
 bf16 the merge error grows with the ring size (see PITFALLS.md). The backward pass recomputes
