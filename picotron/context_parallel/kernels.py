@@ -14,6 +14,9 @@ over the union of their keys; see `merge` in ring_attention.py. The backward pas
 stored probabilities either: with the *final* out and lse of a row, each block's share of the
 gradient can be recomputed alone (FlashAttention-2's backward, Dao 2023).
 
+Each direction has a fused version (PyTorch's own kernels: flash on CPU, memory-efficient on
+CUDA; they return and accept the LSE) and the plain reference, the oracle the tests compare to.
+
 `causal` here means the lower-triangular mask of a square block whose queries and keys are the
 same positions (the diagonal blocks); off-diagonal blocks are either fully visible or skipped
 by the caller, so no other mask is ever needed.
@@ -73,12 +76,12 @@ def fused_block_forward(q, k, v, causal: bool):
     return out.float(), lse[..., :Tq].float()
 
 
-def reference_block_backward(q, k, v, dout, lse, delta, causal: bool):
+def reference_block_backward(q, k, v, dout, out, lse, causal: bool):
     """Gradients of one block's share of the loss, recomputed from the final statistics.
 
-    q, dout (B, H, Tq, D); k, v (B, K, Tk, D); lse, delta (B, H, Tq) fp32, where lse is the
-    row's log-sum-exp over ALL its keys (all blocks) and delta_i = sum_d dout_id * out_id with
-    the final output. Then p_ij = exp(s_ij - lse_i) is the row's true probability, and
+    q, dout, out (B, H, Tq, D); k, v (B, K, Tk, D); lse (B, H, Tq) fp32. out and lse are the
+    row's FINAL output and log-sum-exp over all its keys (all blocks). Then p_ij =
+    exp(s_ij - lse_i) is the row's true probability and, with delta_i = sum_d dout_id out_id,
         dv = p^T dout,   ds = p * (dout v^T - delta),   dq = ds k / sqrt(D),   dk = ds^T q / sqrt(D)
     are exactly this block's terms of the full gradient. Returns dq (B, H, Tq, D) and
     dk, dv (B, K, Tk, D), all fp32; dk and dv are summed over the G query heads of a kv head."""
@@ -86,10 +89,39 @@ def reference_block_backward(q, k, v, dout, lse, delta, causal: bool):
     K = k.shape[1]
     qg, kg, vg = _grouped(q, k, v)
     dog = dout.float().reshape(B, K, H // K, Tq, D)
+    delta = (dout.float() * out.float()).sum(-1).reshape(B, K, H // K, Tq, 1)
     s = _scores(qg, kg, causal)                                     # (B, K, G, Tq, Tk)
     p = torch.exp(s - lse.reshape(B, K, H // K, Tq, 1))
     dv = (p.transpose(-2, -1) @ dog).sum(2)                         # (B, K, Tk, D)
-    ds = p * (dog @ vg.transpose(-2, -1) - delta.reshape(B, K, H // K, Tq, 1))
+    ds = p * (dog @ vg.transpose(-2, -1) - delta)
     dq = (ds @ kg) / math.sqrt(D)                                   # (B, K, G, Tq, D)
     dk = (ds.transpose(-2, -1) @ qg).sum(2) / math.sqrt(D)          # (B, K, Tk, D)
     return dq.reshape(B, H, Tq, D), dk, dv
+
+
+def fused_block_backward(q, k, v, dout, out, lse, causal: bool):
+    """The same through the fused kernels' backward, which take (out, lse) as saved by their
+    forward: given the final ones, they return this block's share, as the reference does.
+    The CUDA kernel reads its LSE padded to a multiple of 32 rows, as its forward wrote it."""
+    B, H, Tq, D = q.shape
+    K = k.shape[1]
+    if H > K:
+        k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
+    scale, dout, out = 1.0 / math.sqrt(D), dout.to(q.dtype), out.to(q.dtype)
+    if q.is_cuda:
+        padded = lse.new_zeros(B, H, -(-Tq // 32) * 32)
+        padded[..., :Tq] = lse
+        seed = offset = torch.zeros((), dtype=torch.int64)        # unused without dropout
+        # The kernel wants the (B, T, H, D) memory layout its forward produces: given
+        # (B, H, T, D)-contiguous bf16 tensors it silently returned NaN dq/dk (checked on H200).
+        dout, q, k, v, out = (t.transpose(1, 2).contiguous().transpose(1, 2)
+                              for t in (dout, q, k, v, out))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False],
+            causal, scale=scale)[:3]
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    # Expanded kv heads: the G query heads of one kv head add up their gradients.
+    dk, dv = (t.float().reshape(B, K, H // K, -1, D).sum(2) for t in (dk, dv))
+    return dq.float(), dk, dv

@@ -29,7 +29,8 @@ owner, summed over all ranks' queries.
 import torch
 import torch.distributed as dist
 
-from picotron.context_parallel.kernels import (fused_block_forward, reference_block_backward,
+from picotron.context_parallel.kernels import (fused_block_backward, fused_block_forward,
+                                               reference_block_backward,
                                                reference_block_forward)
 
 
@@ -68,7 +69,8 @@ def merge(out, lse, block_out, block_lse):
     nothing overflows), the attention over the union of both key sets is
         out * e^(lse - new) + block_out * e^(block_lse - new)."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new)[..., None]).add_(block_out * torch.exp(block_lse - new)[..., None])
+    out.mul_(torch.exp(lse - new)[..., None])
+    out.add_(block_out * torch.exp(block_lse - new)[..., None])
     lse.copy_(new)
 
 
@@ -95,7 +97,7 @@ class RingAttention(torch.autograd.Function):
                 kv = next_kv()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pgm = pgm
+        ctx.pgm, ctx.fused = pgm, fused
         return out
 
     @staticmethod
@@ -103,7 +105,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         pgm = ctx.pgm
         cp, rank, T = pgm.cp_size, pgm.cp_rank, q.shape[2]
-        delta = (dout.float() * out.float()).sum(-1)   # (B, H, T): rowsum(dO * O)
+        block_backward = fused_block_backward if ctx.fused else reference_block_backward
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])                       # (2, B, K, T, D)
         dkv_in_flight = None
@@ -111,9 +113,9 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv = ring_exchange(kv, pgm)
             rows, cols, causal = block_plan(rank, (rank - step) % cp, T)
-            block_dq, block_dk, block_dv = reference_block_backward(
+            block_dq, block_dk, block_dv = block_backward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                lse[:, :, rows], delta[:, :, rows], causal)
+                out[:, :, rows], lse[:, :, rows], causal)
             dq[:, :, rows] += block_dq
             # This block's dK/dV: our share now, then the shares of the ranks it already
             # visited, which the previous rank sent along (fp32, as the merge).
