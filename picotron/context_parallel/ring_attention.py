@@ -50,13 +50,13 @@ def ring_exchange(tensor, pgm):
 
     The send and the receive are posted as one batch, so two ranks that both send first cannot
     deadlock (NCCL); gloo returns a handle per operation, and all of them are waited on."""
-    received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor.contiguous(), pgm.cp_send_rank, pgm.cp_group),
+    sent, received = tensor.contiguous(), torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, sent, pgm.cp_send_rank, pgm.cp_group),
            dist.P2POp(dist.irecv, received, pgm.cp_recv_rank, pgm.cp_group)]
-    works = dist.batch_isend_irecv(ops)
+    pending = (dist.batch_isend_irecv(ops), sent)    # `sent` lives until its send is done
 
     def wait():
-        for work in works:
+        for work in pending[0]:
             work.wait()
         return received
     return wait
@@ -80,6 +80,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pgm, fused: bool):
         cp, rank, T = pgm.cp_size, pgm.cp_rank, q.shape[2]
+        assert cp > 1, "cp_size 1 needs no ring: keep the model's own attention function"
         block_forward = fused_block_forward if fused else reference_block_forward
         kv = torch.stack([k, v])                       # (2, B, K, T, D): one message per hop
         out = lse = None
