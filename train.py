@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_root
 from picotron.config import ConfigError, load_config
+from picotron.context_parallel import apply_context_parallel, shard_sequence
 from picotron.data import DataError, build_train_val, data_state, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.hf_io import load_hf_weights
@@ -48,7 +49,7 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("pp_size", "cp_size")
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("pp_size",)
                if getattr(d, axis) > 1]
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
@@ -69,6 +70,7 @@ def build_model(config, pgm, device):
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
     model = apply_tensor_parallel(model, pgm, config)
+    model = apply_context_parallel(model, pgm, config)
     model = materialize(model, config.training.seed, device, dtype,
                         config.model.initializer_range)
     if config.checkpoint.init_from:   # pretrained weights replace the random draw, never after
@@ -86,7 +88,10 @@ def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scal
     total = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
-        logits = model(inputs.to(device))                                  # (B, T, V)
+        # Context parallel: this rank's zigzag share of the tokens, their targets and true
+        # positions (all of them, positions 0..T-1, when cp_size is 1).
+        inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
+        logits = model(inputs.to(device), position_ids.to(device))         # (B, T, V)
         loss = loss_fn(logits, targets.to(device)) / accum
         grads.sync = micro == accum - 1
         (loss * loss_scale).backward()
