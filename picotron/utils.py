@@ -96,5 +96,8 @@ def format_step(r: dict) -> str:
     return (f"step {r['step']:>5} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
-            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms")
+            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms"
+            + (f" | loss scale {r['loss_scale']:g}" + (" (overflow: step skipped)"
+                                                      if r["skipped"] else "")
+               if "loss_scale" in r else ""))
 
