@@ -8,24 +8,15 @@ There is no KV cache: every new token re-runs the model over the whole sequence 
 (cropped to max_position_embeddings), which costs O(T^2) per step but keeps the model code
 free of generation state. That is fine for the small models and short outputs this is for.
 """
-import json
-import os
-
 import torch
 
-from picotron.config import config_from_dict
 from picotron.model import Decoder, eager_attention
-from picotron.shards import CheckpointError, load_full_weights
+from picotron.shards import checkpoint_config, load_full_weights
 
 
 def load_for_inference(checkpoint_dir: str, device="cpu"):
     """(model in eval mode, its Config) from a checkpoint directory (one step_* folder)."""
-    try:
-        with open(os.path.join(checkpoint_dir, "state.json")) as f:
-            config = config_from_dict(json.load(f)["config"])
-    except OSError as e:
-        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint ({e}); give a "
-                              f"step_* directory that holds a state.json") from None
+    config = checkpoint_config(checkpoint_dir)
     weights = load_full_weights(checkpoint_dir)
     dtype = next(iter(weights.values())).dtype
     with torch.device("meta"):

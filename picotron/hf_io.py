@@ -13,8 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from picotron.shards import CheckpointError, index_shards, load_full_weights, read_slice, \
-    slice_bounds
+from picotron.shards import (CheckpointError, checkpoint_config, index_shards, load_full_weights,
+                             read_slice, slice_bounds)
 
 IGNORED = ("rotary_emb.inv_freq",)     # buffers some old checkpoints carry; recomputed here
 
@@ -117,14 +117,8 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     `AutoTokenizer.from_pretrained(out_dir)` load the checkpoint's model and tokenizer."""
     from safetensors.torch import save_file
 
-    from picotron.config import config_from_dict
     from picotron.tokenizer import load_tokenizer, save_byte_tokenizer, tokenizer_source
-    try:
-        with open(os.path.join(checkpoint_dir, "state.json")) as f:
-            config = config_from_dict(json.load(f)["config"])
-    except OSError as e:
-        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint ({e}); give a "
-                              f"step_* directory that holds a state.json") from None
+    config = checkpoint_config(checkpoint_dir)
     m = config.model
     if m.parallel_residual or m.norm_type != "rmsnorm":
         raise CheckpointError(

@@ -122,3 +122,14 @@ def load_full_weights(directory: str) -> dict:
     index = index_shards(files)
     return {name: read_slice(index, name, [[0, n] for n in pieces[0][2]])
             for name, pieces in index.items()}
+
+
+def checkpoint_config(directory: str):
+    """The Config a checkpoint was trained with (from its state.json)."""
+    from picotron.config import config_from_dict
+    try:
+        with open(os.path.join(directory, "state.json")) as f:
+            return config_from_dict(json.load(f)["config"])
+    except OSError as e:
+        raise CheckpointError(f"{directory} is not a complete checkpoint ({e}); give a "
+                              f"step_* directory that holds a state.json") from None

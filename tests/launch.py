@@ -25,18 +25,10 @@ def free_port() -> int:
 
 def launch(config_path: str, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run train.py on `nproc` gloo ranks (plain python for one), failing loudly."""
+    train = os.path.join(ROOT, "train.py")
     if nproc == 1:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", config_path]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), os.path.join(ROOT, "train.py"),
-               "--config", config_path]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
-                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
-    return proc
+        return _run([sys.executable, train, "--config", config_path], timeout)
+    return launch_script(train, nproc, ["--config", config_path], timeout)
 
 
 def read_metrics(config_path: str) -> list:
@@ -52,10 +44,14 @@ def final_weights(config_path: str) -> dict:
 
 
 def launch_script(script: str, nproc: int, args=(), timeout: int = 600):
-    """Run a test worker script on `nproc` gloo ranks with torchrun; it fails by raising."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), script, *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    """Run a script on `nproc` gloo ranks with torchrun; it fails by raising."""
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                 "--master_port", str(free_port()), script, *map(str, args)], timeout)
+
+
+def _run(cmd: list, timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"

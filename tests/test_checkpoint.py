@@ -17,7 +17,7 @@ from picotron.checkpoint import (CheckpointError, complete_checkpoints, load_che
                                  resolve_checkpoint, save_checkpoint)
 from picotron.config import Config
 from picotron.data_parallel import DistributedAdamW, GradBuckets
-from picotron.model import Decoder, causal_lm_loss, materialize
+from picotron.model import Decoder, materialize
 from picotron.shards import index_shards
 
 TINY = ["--num_hidden_layers", "2", "--seq_len", "32", "--set", "model.hidden_size=32",
@@ -87,7 +87,7 @@ import picotron.checkpoint as ck
 from tiny import one_process_group
 from picotron.config import Config
 from picotron.data_parallel import DistributedAdamW, GradBuckets
-from picotron.model import Decoder, causal_lm_loss, materialize
+from picotron.model import Decoder, materialize
 config = Config()
 config.model.hidden_size, config.model.intermediate_size, config.model.num_hidden_layers = 32, 64, 1
 pgm = one_process_group()

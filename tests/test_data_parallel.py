@@ -1,13 +1,11 @@
 """Data parallelism and ZeRO against one process; overlap and memory measured for real."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from launch import ROOT, final_weights, free_port, launch, read_metrics, write_config
+from launch import ROOT, final_weights, launch, launch_script, read_metrics, write_config
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
@@ -63,12 +61,7 @@ def test_dp_matches_single_process(tmp_path, reference, dp, acc, zero, extra):
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp") / "dp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-           "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "workers", "dp_worker.py"), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_script(os.path.join(ROOT, "tests", "workers", "dp_worker.py"), 4, [out], 300)
     return json.loads(out.read_text())
 
 

@@ -2,10 +2,8 @@
 import itertools
 import json
 import os
-import subprocess
-import sys
 
-from launch import ROOT, free_port
+from launch import ROOT, launch_script
 from picotron.process_group_manager import ProcessGroupManager, factorisations
 from workers.grid_worker import LAYOUTS
 
@@ -50,12 +48,7 @@ def test_every_factorisation_of_1_to_8_matches_the_formula():
 
 def test_groups_are_built_for_real_on_8_gloo_ranks(tmp_path):
     out = tmp_path / "grid.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8",
-           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "workers",
-                                                           "grid_worker.py"), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_script(os.path.join(ROOT, "tests", "workers", "grid_worker.py"), 8, [out], 300)
     seen = json.loads(out.read_text())
     for dp, pp, cp, tp in LAYOUTS:
         sizes = dict(dp=dp, pp=pp, cp=cp, tp=tp)
