@@ -5,6 +5,7 @@ parallelism, weights), then the training loop. `python train.py --config ...` al
 one process without torchrun.
 """
 import argparse
+import datetime
 import os
 import resource
 import sys
@@ -17,6 +18,8 @@ from picotron.checkpoint import save_weights
 from picotron.config import ConfigError, load_config
 from picotron.data import DataError, build_data, micro_batch
 from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
+from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
+                                        pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
 from picotron.data_parallel import sync_gradients
 from picotron.utils import (MetricsLog, clip_grad_norm, count_params, flops_per_token,
@@ -39,13 +42,15 @@ def setup(config_path):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+    # A rank blocked longer than timeout_s (e.g. receiving from a stage that died) fails.
+    timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
     if "RANK" in os.environ:      # launched by torchrun: rendezvous through its variables
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "pp_size", "cp_size")
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "cp_size")
                if getattr(d, axis) > 1]
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
@@ -65,6 +70,7 @@ def build_model(config, pgm, device):
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
+    model = apply_pipeline_parallel(model, pgm, config)
     return materialize(model, config.training.seed, device, dtype,
                        config.model.initializer_range)
 
@@ -85,6 +91,8 @@ def train_step(model, data, step, config, pgm, device):
 
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
     those of the mean loss over the global batch."""
+    if pgm.pp_size > 1:     # the schedule runs the micro-batches (same loss scaling)
+        return pipeline_train_step(model, data, step, config, pgm, device)
     accum = config.training.gradient_accumulation_steps
     total = torch.zeros((), device=device)
     for micro in range(accum):
@@ -126,6 +134,8 @@ def main(argv=None):
               f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
               f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
               f"tokens/step; dtype {t.dtype}; run dir {run_dir}", flush=True)
+        if d.pp_size > 1:
+            print(describe_split(config), flush=True)
 
     # ---- build --------------------------------------------------------------------------
     model = build_model(config, pgm, device)

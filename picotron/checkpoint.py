@@ -40,6 +40,8 @@ def save_weights(model, pgm, directory: str) -> None:
     if pgm.dp_rank == 0 and pgm.cp_rank == 0:
         tensors, layout = {}, {}
         for name, p in model.named_parameters():
+            if hasattr(p, "tied_name"):     # a pipeline copy of a tied weight: saved once,
+                continue                    # under its own name, by the first stage
             sharded = hasattr(p, "local_slice")
             if sharded or pgm.tp_rank == 0:
                 tensors[name] = p.detach().cpu().contiguous()

@@ -24,8 +24,10 @@ class DistributedConfig:
     pp_size: int = 1            # pipeline parallel: stages of consecutive layers
     cp_size: int = 1            # context parallel: shards of every sequence (ring attention)
     pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
+    pp_virtual_stages: int = 2  # interleaved only: model chunks per pp rank (Megatron's v)
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
+    timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run
 
 
 @dataclass
@@ -248,6 +250,7 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if m.num_hidden_layers < d.pp_size:
         errors.append(f"model.num_hidden_layers={m.num_hidden_layers} < pp_size={d.pp_size}: "
                       f"every pipeline stage needs at least one layer; lower pp_size")
+    errors += pipeline_errors(config)
     if d.cp_size > 1 and t.seq_length % (2 * d.cp_size):
         errors.append(f"training.seq_length={t.seq_length} is not divisible by 2*cp_size="
                       f"{2 * d.cp_size}: the load-balanced causal split gives each cp rank two "
@@ -270,4 +273,27 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
         errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
     if m.vocab_size < 2:
         errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
+    return errors
+
+
+def pipeline_errors(config: Config) -> list:
+    """afab runs any number of micro-batches; 1f1b needs >= pp_size to fill the pipeline;
+    interleaved sends them round in groups of pp_size over pp_size*v equal layer chunks."""
+    d, m, t = config.distributed, config.model, config.training
+    acc, pp, v = t.gradient_accumulation_steps, d.pp_size, d.pp_virtual_stages
+    errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
+    if v < 1:
+        errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
+    elif pp > 1 and d.pp_engine == "1f1b" and acc < pp:
+        errors.append(f"pp_engine=1f1b needs training.gradient_accumulation_steps >= pp_size "
+                      f"to fill the pipeline, got {acc} < {pp}; raise it to at least {pp}")
+    elif pp > 1 and d.pp_engine == "interleaved":
+        if acc % pp:
+            errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps "
+                          f"to be a multiple of pp_size={pp} (micro-batches go round in groups "
+                          f"of pp_size), got {acc}")
+        if m.num_hidden_layers % (pp * v):
+            errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers="
+                          f"{m.num_hidden_layers} into pp_size*pp_virtual_stages = {pp}*{v} "
+                          f"equal chunks, which does not divide it; change one of the three")
     return errors
