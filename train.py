@@ -55,7 +55,7 @@ def setup(config_path):
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
                           f"set it to 1")
-    pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size)
+    pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size, timeout=timeout)
     return config, pgm, device
 
 
