@@ -230,8 +230,8 @@ def materialize(model: nn.Module, seed: int, device, dtype, std: float = 0.02) -
     for name, p in model.named_parameters():            # tied weights appear once
         module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         full_shape = getattr(p, "full_shape", p.shape)
-        value = init_full_tensor(getattr(p, "tied_name", name), full_shape, isinstance(module, tuple(NORMS.values())),
-                                 seed, std)
+        value = init_full_tensor(getattr(p, "tied_name", name), full_shape,
+                                 isinstance(module, tuple(NORMS.values())), seed, std)
         value = value[getattr(p, "local_slice", ())]
         param = nn.Parameter(value.to(device=device, dtype=dtype))
         for attr in ("full_shape", "local_slice", "tied_name", "grad_norm_skip"):

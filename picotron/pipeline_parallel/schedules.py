@@ -15,13 +15,20 @@ sends its activations to stage s + 1 (on rank (r + 1) % pp) and its input gradie
 `timeline` turns the per-rank orders into ticks: at each tick a rank runs at most one action,
 as soon as what it needs has arrived (a message sent at tick t can be used from tick t + 1).
 `rank_steps` then lists, for one rank, what to compute and what to send and receive after each
-tick. Sends and receives of the same tick are issued together, so they always pair up.
+tick. Sends and receives of the same tick are issued together, so they always pair up, and no
+rank can wait on a tick another rank has not reached. The price of this simplicity: a rank
+waits for a message at the tick it is sent even if it only needs it later, which costs a
+little when stages run at different speeds.
 """
 from collections import namedtuple
 
-Action = namedtuple("Action", "kind chunk micro")       # kind: "F" or "B"
-Message = namedtuple("Message", "kind stage micro src dst")   # kind "act" or "grad"; stage:
-Step = namedtuple("Step", "tick action sends recvs")          # the virtual stage receiving it
+# kind "F" (forward) or "B" (backward) of micro-batch `micro` through this rank's chunk `chunk`.
+Action = namedtuple("Action", "kind chunk micro")
+# An activation ("act") or gradient ("grad") for virtual stage `stage`, from rank src to dst
+# (pipeline ranks, 0..pp-1).
+Message = namedtuple("Message", "kind stage micro src dst")
+# What one rank does at one tick: compute `action` (or None), then exchange sends and recvs.
+Step = namedtuple("Step", "tick action sends recvs")
 
 
 def afab(pp: int, rank: int, micro_batches: int, v: int = 1) -> list:
@@ -29,9 +36,9 @@ def afab(pp: int, rank: int, micro_batches: int, v: int = 1) -> list:
 
     Warm-up: every micro-batch's forward, so all of their activations are alive at once.
     Cool-down: every backward. There is no steady state."""
-    forwards = [Action("F", 0, m) for m in range(micro_batches)]
-    backwards = [Action("B", 0, m) for m in range(micro_batches)]
-    return forwards + backwards
+    warmup = [Action("F", 0, m) for m in range(micro_batches)]
+    cooldown = [Action("B", 0, m) for m in range(micro_batches)]
+    return warmup + cooldown
 
 
 def one_f_one_b(pp: int, rank: int, micro_batches: int, v: int = 1) -> list:
@@ -42,10 +49,10 @@ def one_f_one_b(pp: int, rank: int, micro_batches: int, v: int = 1) -> list:
     rank never holds more than pp - r micro-batches of activations, instead of all of them.
     Cool-down: the backwards left over."""
     warmup = min(pp - rank - 1, micro_batches)
-    order = [Action("F", 0, m) for m in range(warmup)]
-    for i in range(micro_batches - warmup):                        # steady state
+    order = [Action("F", 0, m) for m in range(warmup)]                          # warm-up
+    for i in range(micro_batches - warmup):                                     # steady state
         order += [Action("F", 0, warmup + i), Action("B", 0, i)]
-    order += [Action("B", 0, m) for m in range(micro_batches - warmup, micro_batches)]
+    order += [Action("B", 0, m) for m in range(micro_batches - warmup, micro_batches)]  # cool-down
     return order
 
 
@@ -69,10 +76,10 @@ def interleaved(pp: int, rank: int, micro_batches: int, v: int) -> list:
         return Action(kind, chunk, group * pp + within % pp)
 
     warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    order = [action("F", k) for k in range(warmup)]
-    for i in range(total - warmup):                                 # steady state
+    order = [action("F", k) for k in range(warmup)]                             # warm-up
+    for i in range(total - warmup):                                             # steady state
         order += [action("F", warmup + i), action("B", i)]
-    order += [action("B", k) for k in range(total - warmup, total)]
+    order += [action("B", k) for k in range(total - warmup, total)]             # cool-down
     return order
 
 
@@ -117,8 +124,8 @@ def timeline(orders: list, v: int = 1) -> list:
             if need is None or done_at.get(need, t) < t:
                 row[r] = a
         if not any(row):
-            raise RuntimeError(f"schedule deadlock at tick {t}: every rank waits "
-                               f"({[orders[r][position[r]] if position[r] < len(orders[r]) else None for r in range(pp)]})")
+            waiting = [orders[r][position[r]] for r in range(pp) if position[r] < len(orders[r])]
+            raise RuntimeError(f"schedule deadlock at tick {t}: every rank waits ({waiting})")
         for r, a in enumerate(row):
             if a is not None:
                 done_at[(a.kind, stage_of(a, r, pp), a.micro)] = t
