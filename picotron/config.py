@@ -277,21 +277,19 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
 
 
 def pipeline_errors(config: Config) -> list:
-    """afab runs any number of micro-batches; 1f1b needs >= pp_size to fill the pipeline;
-    interleaved sends them round in groups of pp_size over pp_size*v equal layer chunks."""
+    """afab and 1f1b run any number of micro-batches (fewer than pp_size never fill the
+    pipeline: slow, still correct); interleaved sends them round in groups of pp_size
+    through pp_size * pp_virtual_stages equal layer chunks."""
     d, m, t = config.distributed, config.model, config.training
     acc, pp, v = t.gradient_accumulation_steps, d.pp_size, d.pp_virtual_stages
     errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
     if v < 1:
         errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
-    elif pp > 1 and d.pp_engine == "1f1b" and acc < pp:
-        errors.append(f"pp_engine=1f1b needs training.gradient_accumulation_steps >= pp_size "
-                      f"to fill the pipeline, got {acc} < {pp}; raise it to at least {pp}")
     elif pp > 1 and d.pp_engine == "interleaved":
         if acc % pp:
             errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps "
-                          f"to be a multiple of pp_size={pp} (micro-batches go round in groups "
-                          f"of pp_size), got {acc}")
+                          f"to be a multiple of pp_size={pp} (at least {pp}: micro-batches go "
+                          f"round in groups of pp_size), got {acc}")
         if m.num_hidden_layers % (pp * v):
             errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers="
                           f"{m.num_hidden_layers} into pp_size*pp_virtual_stages = {pp}*{v} "

@@ -69,14 +69,15 @@ def test_stage_split_is_balanced_and_states_uneven_counts():
     cfg = config_from_dict({"distributed": {"pp_size": 2, "pp_engine": "interleaved"},
                             "model": {"num_hidden_layers": 8},
                             "training": {"gradient_accumulation_steps": 2}})
-    assert describe_split(cfg) == "pipeline interleaved: rank 0: 0-1 + 4-5 | rank 1: 2-3 + 6-7"
+    assert describe_split(cfg) == ("pipeline interleaved: rank 0: 0-1 + 4-5 | rank 1: 2-3 + 6-7"
+                                   "; bubble 1/(4+1) = 20%")
 
 
 @pytest.mark.parametrize("raw, message", [
     ({"distributed": {"pp_size": 4}, "model": {"num_hidden_layers": 3},
       "training": {"gradient_accumulation_steps": 4}}, "num_hidden_layers=3 < pp_size=4"),
-    ({"distributed": {"pp_size": 4, "pp_engine": "1f1b"},
-      "training": {"gradient_accumulation_steps": 3}}, "gradient_accumulation_steps >= pp_size"),
+    ({"distributed": {"pp_size": 4, "pp_engine": "interleaved"}, "model": {"num_hidden_layers": 8},
+      "training": {"gradient_accumulation_steps": 2}}, "a multiple of pp_size=4 (at least 4"),
     ({"distributed": {"pp_size": 2, "pp_engine": "interleaved"}, "model": {"num_hidden_layers": 8},
       "training": {"gradient_accumulation_steps": 3}}, "a multiple of pp_size=2"),
     ({"distributed": {"pp_size": 2, "pp_engine": "interleaved", "pp_virtual_stages": 3},
@@ -84,8 +85,9 @@ def test_stage_split_is_balanced_and_states_uneven_counts():
      "into pp_size*pp_virtual_stages = 2*3"),
 ])
 def test_clear_errors(raw, message):
-    with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("+", r"\+")):
+    with pytest.raises(ConfigError) as error:
         config_from_dict(raw)
+    assert message in str(error.value)
 
 
 # ---- whole runs against one process ---------------------------------------------------------

@@ -42,12 +42,22 @@ def rank_chunks(config, pp_rank: int) -> list:
 
 
 def describe_split(config) -> str:
-    """One line stating every rank's layers, e.g. 'rank 0: 0-2 | rank 1: 3-5 | rank 2: 6-7'."""
+    """One line stating every rank's layers and the expected bubble, e.g.
+    'pipeline 1f1b: rank 0: 0-2 | rank 1: 3-5 | rank 2: 6-7; bubble 2/(4+2) = 33%'.
+
+    The bubble is the idle fraction of a step, (pp - 1) / (m + pp - 1) for m micro-batches
+    (GPipe and 1F1B alike); interleaving makes the fill and drain v times shorter:
+    (pp - 1) / (v*m + pp - 1)."""
+    pp, v = config.distributed.pp_size, virtual_stages(config)
+    m = config.training.gradient_accumulation_steps
+
     def span(keys):
         return keys[0] if len(keys) == 1 else f"{keys[0]}-{keys[-1]}"
     ranks = [f"rank {r}: " + " + ".join(span(c) for c in rank_chunks(config, r))
-             for r in range(config.distributed.pp_size)]
-    return f"pipeline {config.distributed.pp_engine}: " + " | ".join(ranks)
+             for r in range(pp)]
+    bubble = (pp - 1) / (v * m + pp - 1)           # = ((pp-1)/v) / (m + (pp-1)/v)
+    return (f"pipeline {config.distributed.pp_engine}: " + " | ".join(ranks) +
+            f"; bubble {pp - 1}/({v * m}+{pp - 1}) = {100 * bubble:.0f}%")
 
 
 def apply_pipeline_parallel(model, pgm, config):
