@@ -17,13 +17,14 @@ import torch.distributed as dist
 from picotron.checkpoint import save_weights
 from picotron.config import ConfigError, load_config
 from picotron.data import DataError, build_data, micro_batch
-from picotron.model import Decoder, causal_lm_loss, materialize, resolve_attention
+from picotron.model import Decoder, materialize, resolve_attention
 from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
                                         pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
-from picotron.data_parallel import sync_gradients
-from picotron.utils import (MetricsLog, clip_grad_norm, count_params, flops_per_token,
-                            format_step, lr_at, peak_flops, set_seed)
+from picotron.data_parallel import DistributedAdamW, GradBuckets
+from picotron.tensor_parallel import apply_tensor_parallel, loss_function
+from picotron.utils import (MetricsLog, count_params, flops_per_token, format_step, lr_at,
+                            peak_flops, set_seed)
 
 
 def setup(config_path):
@@ -50,7 +51,7 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("tp_size", "cp_size")
+    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("cp_size",)
                if getattr(d, axis) > 1]
     if not_yet:     # refused up front rather than trained wrongly
         raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
@@ -70,36 +71,29 @@ def build_model(config, pgm, device):
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
+    model = apply_tensor_parallel(model, pgm, config)
     model = apply_pipeline_parallel(model, pgm, config)
     return materialize(model, config.training.seed, device, dtype,
                        config.model.initializer_range)
 
 
-def build_optimizer(model, config, device):
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
-    t = config.training
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    fused = t.use_fused_adam and device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_eps, fused=fused)
-
-
-def train_step(model, data, step, config, pgm, device):
+def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
     """One optimizer step's forward and backward over all micro-batches; returns the mean loss.
 
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
-    those of the mean loss over the global batch."""
+    those of the mean loss over the global batch. Only the last micro-batch's backward starts
+    the gradient reductions (`grads.sync`); `loss_scale` is 1 except with fp16."""
     if pgm.pp_size > 1:     # the schedule runs the micro-batches (same loss scaling)
-        return pipeline_train_step(model, data, step, config, pgm, device)
+        return pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device,
+                                   loss_scale)
     accum = config.training.gradient_accumulation_steps
     total = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
         logits = model(inputs.to(device))                                  # (B, T, V)
-        loss = causal_lm_loss(logits, targets.to(device)) / accum
-        loss.backward()
+        loss = loss_fn(logits, targets.to(device)) / accum
+        grads.sync = micro == accum - 1
+        (loss * loss_scale).backward()
         total += loss.detach()
     return total
 
@@ -139,9 +133,10 @@ def main(argv=None):
 
     # ---- build --------------------------------------------------------------------------
     model = build_model(config, pgm, device)
-    optimizer = build_optimizer(model, config, device)
+    grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
+    optimizer = DistributedAdamW(grads, pgm, config)
+    loss_fn = loss_function(pgm, config)     # vocab-parallel when the logits are TP-sharded
     data = build_data(config)
-    params = [p for p in model.parameters() if p.requires_grad]
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config)
 
     # ---- train --------------------------------------------------------------------------
@@ -149,15 +144,13 @@ def main(argv=None):
     for step in range(t.total_train_steps):
         start = time.perf_counter()
         lr = lr_at(step + 1, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = train_step(model, data, step, config, pgm, device)
-        sync_gradients(params, pgm)
+        loss = train_step(model, loss_fn, grads, data, step, config, pgm, device,
+                          optimizer.scaler.scale)
+        grads.finish()                                  # wait for the gradient reductions
         dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
         loss /= pgm.cp_dp_size
-        grad_norm = clip_grad_norm(params, t.max_grad_norm, pgm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = optimizer.step(lr)          # clip, step, share ZeRO shards
+        grads.zero_grad()
         loss, grad_norm = loss.item(), grad_norm.item()      # waits for the device
         step_time = time.perf_counter() - start
         tokens_seen += tokens_per_step
@@ -168,6 +161,8 @@ def main(argv=None):
                   "tokens_per_s_per_gpu": per_gpu, "tflops_per_gpu": per_gpu * flops_tok / 1e12,
                   "mfu": per_gpu * flops_tok / peak if peak else None,
                   "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time}
+        if t.dtype == "float16":
+            record.update(loss_scale=optimizer.scaler.scale, skipped=skipped)
         metrics.write(record)
         if is_logger and (step + 1) % config.logging.log_frequency == 0:
             print(format_step(record), flush=True)

@@ -27,6 +27,9 @@ class DistributedConfig:
     pp_virtual_stages: int = 2  # interleaved only: model chunks per pp rank (Megatron's v)
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
+    bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
+    offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
+    sequence_parallel: bool = False  # with tp: shard norms/residuals along T (Korthikanti 22)
     timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run
 
 
@@ -67,7 +70,10 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
-    dtype: str = "bfloat16"            # float32 | bfloat16: parameters and activations
+    dtype: str = "bfloat16"            # float32 | bfloat16 | float16: parameters, activations
+    master_weights: bool = True        # fp32 master weights and AdamW moments (bf16/fp16)
+    initial_loss_scale: float = 65536.0  # float16 only: dynamic loss scaling
+    loss_scale_window: int = 1000      # good steps before the loss scale doubles
     use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
 
 
@@ -130,7 +136,7 @@ class Config:
 
 
 PP_ENGINES = ("afab", "1f1b", "interleaved")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
 
@@ -243,7 +249,16 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
                       f"tp_size={d.tp_size}; pick a tp_size that divides it")
     if m.num_key_value_heads % d.tp_size:
         errors.append(f"model.num_key_value_heads={m.num_key_value_heads} is not divisible by "
-                      f"tp_size={d.tp_size}; pick a tp_size that divides it")
+                      f"tp_size={d.tp_size}: each TP rank holds whole kv heads (they are not "
+                      f"replicated across ranks); pick a tp_size that divides it")
+    per_rank = -(-m.vocab_size // d.tp_size)          # vocab rows per TP rank, padded
+    if (d.tp_size - 1) * per_rank >= m.vocab_size:
+        errors.append(f"model.vocab_size={m.vocab_size} split over tp_size={d.tp_size} "
+                      f"({per_rank} rows each) leaves the last TP rank no rows; lower tp_size")
+    if d.sequence_parallel and d.tp_size > 1 and t.seq_length % (d.cp_size * d.tp_size):
+        errors.append(f"distributed.sequence_parallel: training.seq_length={t.seq_length} is "
+                      f"not divisible by cp_size*tp_size={d.cp_size * d.tp_size}: each TP rank "
+                      f"holds an equal chunk of its sequence; use a multiple of it")
     if m.intermediate_size % d.tp_size:
         errors.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
                       f"tp_size={d.tp_size}")
@@ -271,27 +286,34 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
             errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
     if t.warmup_steps < 0:
         errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if not 0.0 <= d.offload_optim_frac <= 1.0:
+        errors.append(f"distributed.offload_optim_frac={d.offload_optim_frac} must be in [0, 1]")
+    if d.bucket_size_mb <= 0:
+        errors.append(f"distributed.bucket_size_mb={d.bucket_size_mb} must be > 0")
+    if t.dtype == "float16" and not t.master_weights:
+        errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
+                      "weights cannot absorb small updates, and loss scaling unscales into them")
+    if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
+        errors.append(f"training.initial_loss_scale={t.initial_loss_scale} and "
+                      f"loss_scale_window={t.loss_scale_window} must be >= 1")
     if m.vocab_size < 2:
         errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
     return errors
 
 
 def pipeline_errors(config: Config) -> list:
-    """afab and 1f1b run any number of micro-batches (fewer than pp_size never fill the
-    pipeline: slow, still correct); interleaved sends them round in groups of pp_size
-    through pp_size * pp_virtual_stages equal layer chunks."""
-    d, m, t = config.distributed, config.model, config.training
-    acc, pp, v = t.gradient_accumulation_steps, d.pp_size, d.pp_virtual_stages
+    """afab and 1f1b take any number of micro-batches (fewer than pp_size: correct, slow);
+    interleaved sends them round in groups of pp_size through pp_size*v equal layer chunks."""
+    d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
+    pp, v = d.pp_size, d.pp_virtual_stages
     errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
     if v < 1:
         errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
-    elif pp > 1 and d.pp_engine == "interleaved":
-        if acc % pp:
-            errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps "
-                          f"to be a multiple of pp_size={pp} (at least {pp}: micro-batches go "
-                          f"round in groups of pp_size), got {acc}")
-        if m.num_hidden_layers % (pp * v):
-            errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers="
-                          f"{m.num_hidden_layers} into pp_size*pp_virtual_stages = {pp}*{v} "
-                          f"equal chunks, which does not divide it; change one of the three")
+    elif pp > 1 and d.pp_engine == "interleaved" and acc % pp:
+        errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps to be "
+                      f"a multiple of pp_size={pp} (at least {pp}), got {acc}")
+    elif pp > 1 and d.pp_engine == "interleaved" and m.num_hidden_layers % (pp * v):
+        errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers={m.num_hidden_layers}"
+                      f" into pp_size*pp_virtual_stages = {pp}*{v} equal chunks, which does not "
+                      f"divide it; change one of the three")
     return errors

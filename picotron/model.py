@@ -234,9 +234,7 @@ def materialize(model: nn.Module, seed: int, device, dtype, std: float = 0.02) -
                                  isinstance(module, tuple(NORMS.values())), seed, std)
         value = value[getattr(p, "local_slice", ())]
         param = nn.Parameter(value.to(device=device, dtype=dtype))
-        for attr in ("full_shape", "local_slice", "tied_name", "grad_norm_skip"):
-            if hasattr(p, attr):
-                setattr(param, attr, getattr(p, attr))
+        param.__dict__.update(vars(p))       # what parallelism marked on it: slices, groups
         new[id(p)] = param
     for module in model.modules():                      # swap in place, both ends of a tie
         for pname, p in module._parameters.items():

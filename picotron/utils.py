@@ -89,29 +89,3 @@ def format_step(r: dict) -> str:
             f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
             f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms")
 
-
-def clip_grad_norm(params, max_norm: float, pgm):
-    """The global L2 gradient norm over every axis (logged), and clipping when max_norm > 0.
-
-    A tensor-parallel shard (it carries `local_slice`) differs on each TP rank: its squares are
-    summed over TP. A replicated parameter (a norm gain) is the same on every TP rank: counted
-    once. Pipeline stages hold different layers: summed over PP. DP and CP ranks hold the same,
-    already averaged, gradients: nothing to add. A parameter marked `grad_norm_skip` (the
-    second copy of a tied weight) is left out of the sum, though it is still clipped."""
-    grads = [p.grad for p in params if p.grad is not None and not getattr(p, "grad_norm_skip",
-                                                                          False)]
-    sharded = [p.grad for p in params if p.grad is not None and hasattr(p, "local_slice")
-               and not getattr(p, "grad_norm_skip", False)]
-    device = grads[0].device if grads else torch.device("cpu")
-    total_sq = torch.nn.utils.get_total_norm(grads, foreach=True).to(device).float() ** 2
-    if pgm.tp_size > 1:
-        sharded_sq = torch.nn.utils.get_total_norm(sharded, foreach=True).to(device).float() ** 2
-        replicated_sq = total_sq - sharded_sq
-        torch.distributed.all_reduce(sharded_sq, group=pgm.tp_group)
-        total_sq = sharded_sq + replicated_sq
-    if pgm.pp_size > 1:
-        torch.distributed.all_reduce(total_sq, group=pgm.pp_group)
-    norm = total_sq.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm

@@ -49,3 +49,15 @@ def final_weights(config_path: str) -> dict:
     ckpt_root = os.path.join(os.path.dirname(config_path), "checkpoints")
     last = sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[-1]
     return load_full_weights(os.path.join(ckpt_root, last))
+
+
+def launch_script(script: str, nproc: int, args=(), timeout: int = 600):
+    """Run a test worker script on `nproc` gloo ranks with torchrun; it fails by raising."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), script, *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc

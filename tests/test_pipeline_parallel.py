@@ -161,6 +161,7 @@ import json, torch, torch.distributed as dist
 import train
 from picotron.config import config_from_dict
 from picotron.data import build_data, micro_batch
+from picotron.model import causal_lm_loss
 from picotron.pipeline_parallel.engine import run_steps, steps_for
 from picotron.pipeline_parallel.stage import rank_chunks
 from picotron.process_group_manager import ProcessGroupManager
@@ -176,7 +177,8 @@ for engine in ("afab", "1f1b"):
     data = build_data(config)
     batch = lambda micro: micro_batch(data, 0, micro, config, 0)
     steps = steps_for(engine, 4, 8, 1, pgm.pp_rank)
-    _, peaks[engine] = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), batch, config, pgm)
+    _, peaks[engine] = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), batch,
+                                 causal_lm_loss, config, pgm)
 if pgm.pp_is_first_stage:
     print("PEAKS", json.dumps(peaks))
 dist.destroy_process_group()

@@ -1,3 +1,10 @@
-"""Data parallelism: every cp*dp rank sees different tokens, so gradients are averaged over the
-cp_dp group before the optimizer step."""
-from picotron.data_parallel.data_parallel import sync_gradients  # noqa: F401
+"""Data parallelism (with ZeRO): every cp*dp rank sees different tokens, so gradients are
+averaged over the cp_dp group, bucket by bucket, while backward is still running.
+
+    grads = GradBuckets(model, pgm, config)         # flat buffers + hooks     (buckets.py)
+    optimizer = DistributedAdamW(grads, pgm, config)  # sharded AdamW         (optimizer.py)
+    ... backward with grads.sync = last micro-batch ...
+    grads.finish(); optimizer.step(lr); grads.zero_grad()
+"""
+from picotron.data_parallel.buckets import GradBuckets  # noqa: F401
+from picotron.data_parallel.optimizer import DistributedAdamW  # noqa: F401

@@ -14,19 +14,23 @@ sequence, C hidden size. The first virtual stage reads token ids (B, T); the las
 output into the loss, a scalar.
 
 The loss is scaled exactly as on the one-process path (train.py): each micro-batch's mean
-cross-entropy is divided by the number of micro-batches before its backward, so the gradients
-are those of the mean loss over the global batch. The last stage returns the sum of these
-scaled losses, i.e. the mean; every other stage returns 0 (the logging rank is a last stage).
+cross-entropy is divided by the number of micro-batches before its backward (and multiplied by
+the fp16 loss scale, 1 otherwise), so the gradients are those of the mean loss over the global
+batch. The last stage returns the sum of the divided losses, i.e. the mean; every other stage
+returns 0 (the logging rank is a last stage).
+
+Gradient reductions (data_parallel's buckets) all start after the schedule, in
+`grads.finish()`: a bucket launched inside a backward could block the stage on the tied
+embedding's sum across the pipeline's two ends before it has sent its gradients on.
 """
 import functools
 
 import torch
 
 from picotron.data import micro_batch
-from picotron.model import causal_lm_loss
 from picotron.pipeline_parallel.p2p import check_spec, exchange, message_spec
 from picotron.pipeline_parallel.schedules import rank_steps, schedule_orders, timeline
-from picotron.pipeline_parallel.stage import rank_chunks, sync_tied_grads, virtual_stages
+from picotron.pipeline_parallel.stage import rank_chunks, virtual_stages
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,10 +50,11 @@ def backward_step(output, grad_output):
     torch.autograd.backward(output, grad_output)
 
 
-def run_steps(model, steps, chunks, get_batch, config, pgm):
+def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=1.0):
     """Execute this rank's `steps`. chunks[c]: layer keys of chunk c. get_batch(micro) ->
-    (inputs, targets) on the device. Returns (sum of the scaled losses on the last stage, else
-    0; the most micro-batch activations this rank held at once)."""
+    (inputs, targets) on the device; loss_fn(logits, targets) -> mean loss. Returns (sum of
+    the divided losses on the last stage, else 0; the most micro-batch activations this rank
+    held at once)."""
     pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
     last_stage = pp * len(chunks) - 1
     accum = config.training.gradient_accumulation_steps
@@ -71,8 +76,9 @@ def run_steps(model, steps, chunks, get_batch, config, pgm):
                     inputs = inbox.pop(("act", s, a.micro)).requires_grad_()     # (B, T, C)
                 output = forward_step(model, inputs, chunks[a.chunk])
                 if s == last_stage:
-                    output = causal_lm_loss(output, get_batch(a.micro)[1]) / accum
+                    output = loss_fn(output, get_batch(a.micro)[1]) / accum
                     total += output.detach()
+                    output = output * loss_scale
                 else:
                     outbox[("act", s + 1, a.micro)] = output.detach()
                 stash[(a.chunk, a.micro)] = (inputs, output)
@@ -98,10 +104,10 @@ def run_steps(model, steps, chunks, get_batch, config, pgm):
     return total, peak
 
 
-def pipeline_train_step(model, data, step, config, pgm, device):
+def pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
     """train.py's train_step for pp > 1: all micro-batches of `step` through the schedule
-    `distributed.pp_engine`, then the tied embedding's gradients summed across its two ends.
-    Returns the mean loss over the micro-batches on the last stage, 0 elsewhere."""
+    `distributed.pp_engine`. Returns the mean loss over the micro-batches on the last stage,
+    0 elsewhere."""
     engine, accum = config.distributed.pp_engine, config.training.gradient_accumulation_steps
     steps = steps_for(engine, pgm.pp_size, accum, virtual_stages(config), pgm.pp_rank)
 
@@ -109,6 +115,7 @@ def pipeline_train_step(model, data, step, config, pgm, device):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
         return inputs.to(device), targets.to(device)
 
-    loss, _ = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), get_batch, config, pgm)
-    sync_tied_grads(model, pgm, config)
+    grads.sync = False          # reductions start in grads.finish(), after the schedule
+    loss, _ = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), get_batch, loss_fn,
+                        config, pgm, loss_scale)
     return loss

@@ -6,18 +6,19 @@ with `batch_isend_irecv` (one NCCL group), and every returned handle is waited o
 batch gives one handle per operation, and a handle not waited on leaves its buffer in flight.
 
 Shapes and dtypes are agreed, not assumed: both sides compute the shape of a message from the
-config, `(mbs, seq_len / cp, hidden)` in the training dtype, and a sender whose tensor differs
-stops with a clear error instead of corrupting the receiver's buffer.
+config, `(mbs, seq_len / cp [/ tp with SP], hidden)` in the training dtype, and a sender
+whose tensor differs stops with a clear error instead of corrupting the receiver's buffer.
 """
 import torch
 import torch.distributed as dist
 
 
 def message_spec(config) -> tuple:
-    """(shape, dtype) of every activation and gradient sent between stages: (B, T, C)."""
+    """(shape, dtype) of every activation and gradient sent between stages: (B, T, C), T this
+    rank's share of the sequence (over cp, and over tp under sequence parallelism)."""
     t, d = config.training, config.distributed
-    shape = (t.micro_batch_size, t.seq_length // d.cp_size, config.model.hidden_size)
-    return shape, getattr(torch, t.dtype)
+    T = t.seq_length // d.cp_size // (d.tp_size if d.sequence_parallel else 1)
+    return (t.micro_batch_size, T, config.model.hidden_size), getattr(torch, t.dtype)
 
 
 def exchange(sends: list, recvs: list, group) -> None:
@@ -35,4 +36,5 @@ def check_spec(tensor, spec, what: str) -> None:
     if tuple(tensor.shape) != shape or tensor.dtype != dtype:
         raise RuntimeError(f"pipeline {what} has shape {tuple(tensor.shape)} and dtype "
                            f"{tensor.dtype}, but the stages agreed on {shape} {dtype} "
-                           f"(micro_batch_size, seq_length / cp_size, hidden_size; training.dtype)")
+                           f"(micro_batch_size, this rank's share of seq_length, hidden_size; "
+                           f"training.dtype)")

@@ -9,9 +9,11 @@ the first stage, the final norm and the head on the last.
 Layers keep their global keys ("0".."L-1") in the model's ModuleDict, so every parameter keeps
 the name it has in one process: initial values, checkpoints and tests do not depend on pp.
 """
-import torch
+import datetime
 
-from picotron.pipeline_parallel.p2p import exchange
+import torch.distributed as dist
+
+from picotron.process_group_manager import group_ranks
 
 
 def virtual_stages(config) -> int:
@@ -66,40 +68,41 @@ def apply_pipeline_parallel(model, pgm, config):
     Called on the meta-device skeleton, before the weights are drawn. With tied embeddings and
     pp > 1, the first stage's embedding and the last stage's head cannot share one Parameter:
     the last stage keeps its own copy, drawn from the seed under the name
-    "embed_tokens.weight" (so both copies start equal), kept equal by summing their gradients
-    every step (`sync_tied_grads`), left out of the gradient norm and of checkpoints."""
+    "embed_tokens.weight" (`tied_name`), so both copies start equal. Each end then holds part
+    of the gradient (embedding use, head use): both are marked with `grad_sum_group`, a group
+    of the two ends, and the gradient buckets sum them there before averaging over cp_dp, so
+    both copies get the whole gradient and the same update. The copy is left out of the
+    gradient norm (`grad_norm_skip`) and of checkpoints (`tied_name`)."""
     if pgm.pp_size == 1:
         return model
     keep = {key for chunk in rank_chunks(config, pgm.pp_rank) for key in chunk}
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
+    ends = tied_ends_group(pgm, config)
     if not pgm.pp_is_first_stage:
         model.embed_tokens = None
+    elif ends is not None:
+        model.embed_tokens.weight.grad_sum_group = ends
     if not pgm.pp_is_last_stage:
         model.norm, model.lm_head = None, None
-    elif config.model.tie_word_embeddings:
+    elif ends is not None:
         head = model.lm_head.weight           # the tied Parameter, now the head's alone
         head.tied_name = "embed_tokens.weight"
         head.grad_norm_skip = True
+        head.grad_sum_group = ends
     return model
 
 
-def sync_tied_grads(model, pgm, config) -> None:
-    """Sum the gradients of the tied embedding (first stage) and head (last stage).
-
-    One process accumulates both uses of the tied weight into one gradient; here each end
-    holds half of it. Each end sends its half to the other and adds what it receives, so both
-    copies get the same full gradient (a + b == b + a in floating point) and the same update."""
-    if pgm.pp_size == 1 or not config.model.tie_word_embeddings:
-        return
-    if pgm.pp_is_first_stage:
-        weight, peer = model.embed_tokens.weight, pgm.pp_group_ranks[-1]
-    elif pgm.pp_is_last_stage:
-        weight, peer = model.lm_head.weight, pgm.pp_group_ranks[0]
-    else:
-        return
-    other = torch.empty_like(weight.grad)
-    exchange([(weight.grad, peer)], [(other, peer)], pgm.pp_group)
-    weight.grad += other
-
+def tied_ends_group(pgm, config):
+    """The process group {first stage, last stage} of this rank's pipeline, or None (untied).
+    new_group is collective: every rank creates the group of every pipeline, in one order."""
+    if not config.model.tie_word_embeddings:
+        return None
+    timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
+    mine = None
+    for ranks in group_ranks(("pp",), pgm.dp_size, pgm.pp_size, pgm.cp_size, pgm.tp_size):
+        group = dist.new_group([ranks[0], ranks[-1]], timeout=timeout)
+        if pgm.global_rank in ranks:
+            mine = group
+    return mine

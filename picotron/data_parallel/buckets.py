@@ -1,0 +1,188 @@
+"""Gradient buckets: flat fp32 gradient buffers whose reduction starts during backward.
+
+Parameters are grouped into buckets of about `bucket_size_mb` (in reverse order of
+definition, which is roughly the order backward produces their gradients: head first,
+embedding last). Each bucket owns two flat buffers, and every parameter is a view into them:
+
+    bucket.params  (numel,) in the parameter dtype    p.data      = params[offset : offset + n]
+    bucket.grads   (numel,) fp32                      p.main_grad = grads[offset : offset + n]
+
+A hook after each parameter's gradient is accumulated adds it into `main_grad` (fp32, so bf16
+and fp16 models accumulate micro-batches exactly) and frees `p.grad`. On the last micro-batch,
+the moment a bucket's last gradient arrives, its reduction over the cp_dp group is launched
+asynchronously, so communication overlaps the rest of backward (PyTorch DDP, Li et al. 2020).
+`finish()` waits for what is still in flight.
+
+ZeRO (Rajbhandari et al. 2020): with zero_stage >= 1 each bucket is cut into cp_dp equal shards
+and rank r owns shard r. Stage 1 all-reduces the whole buffer and the optimizer reads its shard;
+stage 2 reduce-scatters, so each rank receives only the sum of its own shard, and the full
+buffer is freed until the next backward.
+
+Buckets are homogeneous in what the optimizer and the norm need to know: weight decay or not,
+sharded across TP or replicated (`local_slice`), counted in the grad norm or not
+(`grad_norm_skip`), and whether other ranks hold partial gradients of the same weight that
+must be summed first (`grad_sum_group`: norm weights under sequence parallelism, a tied
+embedding split across pipeline stages).
+"""
+import torch
+import torch.distributed as dist
+
+from picotron.comm import all_gather_single, reduce_scatter_single
+
+
+class Bucket:
+    def __init__(self, params, dtype, device, shards: int):
+        self.members = params
+        numel = sum(p.numel() for p in params)
+        self.numel = -(-numel // shards) * shards           # padded to a multiple of shards
+        self.shard_numel = self.numel // shards
+        self.params = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.grads = None                                    # allocated lazily, see grad_buffer
+        self.grad_shard = None                               # zero_stage 2: the owned sum
+        self.ready, self.work, self.launched = 0, None, False
+        p0 = params[0]
+        self.weight_decay = p0.dim() >= 2
+        self.tp_sharded = hasattr(p0, "local_slice")
+        self.norm_skip = getattr(p0, "grad_norm_skip", False)
+        self.sum_group = getattr(p0, "grad_sum_group", None)
+        self.offsets = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            self.params[offset:offset + p.numel()].copy_(p.data.flatten())
+            p.data = self.params[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def grad_buffer(self):
+        """The fp32 gradient buffer, (re)attached to every member as `main_grad`."""
+        if self.grads is None:
+            self.grads = torch.zeros(self.numel, dtype=torch.float32, device=self.params.device)
+            for p, offset in zip(self.members, self.offsets):
+                p.main_grad = self.grads[offset:offset + p.numel()].view_as(p)
+        return self.grads
+
+
+def bucket_key(p):
+    return (p.dim() >= 2, hasattr(p, "local_slice"), getattr(p, "grad_norm_skip", False),
+            getattr(p, "grad_sum_group", None))
+
+
+class GradBuckets:
+    def __init__(self, model, pgm, config):
+        d = config.distributed
+        self.pgm, self.zero_stage = pgm, d.zero_stage
+        self.group, self.size = pgm.cp_dp_group, pgm.cp_dp_size
+        self.shards = self.size if d.zero_stage >= 1 else 1
+        self.shard_index = pgm.cp_dp_rank if d.zero_stage >= 1 else 0
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._check_replicas_identical(params)
+        limit = d.bucket_size_mb * 2 ** 20 / 4                 # fp32 gradient elements
+        groups, current = [], {}
+        for p in reversed(params):                             # gradient order, roughly
+            key = bucket_key(p)
+            current.setdefault(key, []).append(p)
+            if sum(q.numel() for q in current[key]) >= limit:
+                groups.append(current.pop(key))
+        groups += list(current.values())
+        self.buckets = [Bucket(g, params[0].dtype, params[0].device, self.shards)
+                        for g in groups]
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.members}
+        self._sync = False
+        self.launch_log = []        # (bucket index, gradients ready so far): overlap evidence
+        self._ready_total = 0
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _check_replicas_identical(self, params):
+        """Initial weights are identical across cp_dp by construction (drawn from the seed);
+        check it once, cheaply, so a broken init can never train silently apart."""
+        if self.size == 1:
+            return
+        checksum = torch.stack([p.detach().double().sum() for p in params]).cpu()
+        gathered = [torch.zeros_like(checksum) for _ in range(self.size)]
+        dist.all_gather(gathered, checksum.to(params[0].device), group=self.group)
+        if any(not torch.equal(g.cpu(), checksum) for g in gathered):
+            raise RuntimeError("initial weights differ across data-parallel replicas")
+
+    @property
+    def sync(self) -> bool:
+        return self._sync
+
+    @sync.setter
+    def sync(self, value: bool):
+        """Set before each micro-batch's backward: True on the last one, so buckets reduce as
+        they fill. Left False, nothing reduces during backward and finish() does it all
+        (correct, just without overlap)."""
+        self._sync = value
+        for b in self.buckets:
+            b.ready = 0
+
+    def zero_grad(self):
+        for b in self.buckets:
+            if b.grads is not None:
+                b.grads.zero_()
+            b.ready, b.work, b.launched = 0, None, False
+        self.launch_log, self._ready_total, self._sync = [], 0, False
+
+    def _on_grad_ready(self, p):
+        bucket = self.bucket_of[id(p)]
+        bucket.grad_buffer()
+        p.main_grad.add_(p.grad)         # fp32 accumulation across micro-batches
+        p.grad = None
+        self._ready_total += 1
+        bucket.ready += 1
+        if self.sync and bucket.ready == len(bucket.members):
+            self._launch(bucket)
+
+    def _launch(self, bucket):
+        """Start the bucket's reduction: an average over cp_dp (each rank's loss is the mean
+        over its share of the tokens, so the mean of the gradients is the global gradient)."""
+        self.launch_log.append((self.buckets.index(bucket), self._ready_total))
+        bucket.launched = True
+        grads = bucket.grad_buffer()
+        if bucket.sum_group is not None:     # partial gradients of one weight: add them first
+            dist.all_reduce(grads, group=bucket.sum_group)
+        grads.div_(self.size)
+        if self.size == 1:
+            return
+        if self.zero_stage == 2:
+            bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=torch.float32,
+                                            device=grads.device)
+            bucket.work = reduce_scatter_single(bucket.grad_shard, grads,
+                                                     group=self.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(grads, group=self.group, async_op=True)
+
+    def finish(self):
+        """Wait for every reduction. Buckets whose reduction never started (gradient
+        accumulation without sync, or a parameter that got no gradient) start now, in bucket
+        order, which is the same on every rank."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if self.zero_stage == 2 and self.size > 1:
+                b.grads = None           # only the owned shard survives until the next step
+                for p in b.members:
+                    p.main_grad = None
+
+    def grad_shard(self, bucket):
+        """This rank's share (fp32) of the bucket's averaged gradient."""
+        if self.zero_stage == 2 and self.size > 1:
+            return bucket.grad_shard
+        start = self.shard_index * bucket.shard_numel
+        return bucket.grad_buffer()[start:start + bucket.shard_numel]
+
+    def param_shard(self, bucket):
+        start = self.shard_index * bucket.shard_numel
+        return bucket.params[start:start + bucket.shard_numel]
+
+    def all_gather_params(self):
+        """After each rank updated its shard: every rank gets every shard (ZeRO >= 1)."""
+        if self.shards == 1:
+            return
+        for b in self.buckets:
+            all_gather_single(b.params, self.param_shard(b).clone(), group=self.group)

@@ -1,0 +1,115 @@
+"""AdamW over this rank's shards of the gradient buckets: ZeRO-1/2, CPU offload, loss scaling.
+
+For each bucket the optimizer updates a "master" tensor that covers this rank's shard (the
+whole bucket when zero_stage is 0):
+- fp32 parameters: the master *is* the shard of the flat parameter buffer (no copy);
+- bf16/fp16 parameters with `training.master_weights` (the safe default): an fp32 copy, so
+  small updates are not rounded away; AdamW's moments are fp32 too;
+- bf16 parameters without master weights (picotron's regime): the bf16 shard itself, with
+  bf16 moments (half the optimizer memory, less precise);
+- a bucket chosen for CPU offload (`distributed.offload_optim_frac` of the elements, like
+  ColossalAI Gemini's `offload_optim_frac`): an fp32 master on the CPU, stepped there; its
+  gradient goes down and the updated values come back each step.
+After the step, ZeRO ranks all-gather the updated shards so every replica has every weight.
+
+AdamW is elementwise, so running it on flat shards is the same math as on whole parameters.
+"""
+import torch
+import torch.distributed as dist
+
+from picotron.data_parallel.loss_scaler import DynamicLossScaler
+
+
+class DistributedAdamW:
+    def __init__(self, grads, pgm, config):
+        t, d = config.training, config.distributed
+        self.grads, self.pgm, self.config = grads, pgm, config
+        self.scaler = DynamicLossScaler(t.dtype == "float16", t.initial_loss_scale,
+                                        t.loss_scale_window)
+        budget = d.offload_optim_frac * sum(b.shard_numel for b in grads.buckets)
+        self.masters, self.offloaded = [], []
+        self.param_shards = [grads.param_shard(b) for b in grads.buckets]   # views, kept once
+        for b, shard in reversed(list(zip(grads.buckets, self.param_shards))):
+            # (reversed: the embedding-side buckets are offloaded first)
+            offload = budget > 0
+            budget -= b.shard_numel if offload else 0
+            if offload:
+                master = shard.detach().float().cpu()
+            elif shard.dtype != torch.float32 and t.master_weights:
+                master = shard.detach().float().clone()
+            else:
+                master = shard                         # update the parameters in place
+            self.masters.insert(0, master)
+            self.offloaded.insert(0, offload)
+        self.optimizers = []
+        for on_cpu in (False, True):
+            mine = [(b, m) for b, m, o in zip(grads.buckets, self.masters, self.offloaded)
+                    if o == on_cpu]
+            if not mine:
+                continue
+            groups = [{"params": [m for b, m in mine if b.weight_decay],
+                       "weight_decay": t.weight_decay},
+                      {"params": [m for b, m in mine if not b.weight_decay], "weight_decay": 0.0}]
+            groups = [g for g in groups if g["params"]]
+            fused = t.use_fused_adam and mine[0][1].device.type == "cuda"
+            self.optimizers.append(torch.optim.AdamW(
+                groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                fused=fused, foreach=None if fused else True))
+
+    def global_grad_norm(self):
+        """L2 norm of the whole model's gradient, from this rank's shards.
+
+        Squares are summed: over cp_dp when the shards are disjoint (ZeRO), over TP for
+        TP-sharded buckets only (a replicated norm gain counts once), and over PP stages.
+        Buckets marked `norm_skip` (the second copy of a tied weight) are left out."""
+        device = self.grads.buckets[0].params.device
+        sq = torch.zeros(2, dtype=torch.float32, device=device)    # [tp-sharded, replicated]
+        for b in self.grads.buckets:
+            if not b.norm_skip:
+                sq[0 if b.tp_sharded else 1] += self.grads.grad_shard(b).float().pow(2).sum()
+        pgm = self.pgm
+        if self.grads.shards > 1:
+            dist.all_reduce(sq, group=pgm.cp_dp_group)
+        if pgm.tp_size > 1:
+            dist.all_reduce(sq[0:1], group=pgm.tp_group)
+        total = sq.sum()
+        if pgm.pp_size > 1:
+            dist.all_reduce(total, group=pgm.pp_group)
+        return total.sqrt()
+
+    def step(self, lr: float):
+        """Unscale, clip to training.max_grad_norm, step, share the updated shards.
+
+        Returns (grad norm, skipped). With fp16 loss scaling a non-finite norm (some rank
+        overflowed: the norm is reduced over every axis, so all ranks agree) skips the step."""
+        scale = self.scaler.scale
+        norm = self.global_grad_norm() / scale
+        if not torch.isfinite(norm).item():
+            self.scaler.update(overflow=True)
+            return norm, True
+        self.scaler.update(overflow=False)
+        max_norm = self.config.training.max_grad_norm
+        clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else 1.0
+        for b, master, offload in zip(self.grads.buckets, self.masters, self.offloaded):
+            g = self.grads.grad_shard(b).mul_(clip / scale)
+            master.grad = g.to(device=master.device, dtype=master.dtype)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        for master, shard in zip(self.masters, self.param_shards):
+            master.grad = None
+            if master is not shard:
+                shard.copy_(master, non_blocking=True)
+        self.grads.all_gather_params()
+        return norm, False
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank: moments plus master copies."""
+        total = sum(m.numel() * m.element_size() for m, s in zip(self.masters, self.param_shards)
+                    if m is not s)
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                total += sum(v.numel() * v.element_size() for v in state.values()
+                             if torch.is_tensor(v) and v.dim() > 0)
+        return total

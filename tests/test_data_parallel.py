@@ -1,0 +1,133 @@
+"""Data parallelism and ZeRO against one process; overlap and memory measured for real."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import ROOT, final_weights, free_port, launch, read_metrics, write_config
+from picotron.data_parallel.loss_scaler import DynamicLossScaler
+
+TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
+        "--num_hidden_layers", "2", "--seq_len", "32", "--mbs", "2", "--total_train_steps", "5",
+        "--set", "training.warmup_steps=2", "--set", "checkpoint.save_frequency=5",
+        "--set", "distributed.bucket_size_mb=0.05", "--learning_rate", "1e-3"]
+# (dp, grad_acc, zero_stage, extra flags): each runs against one process with the same
+# global batch, mbs * grad_acc * dp sequences, reached by accumulation alone.
+OFFLOAD = ["--set", "distributed.offload_optim_frac=0.5"]
+PALM = ["--model_name", "debug-palm"]
+CASES = [(2, 1, 0, []), (2, 3, 0, []), (2, 1, 1, []), (2, 3, 2, []),
+         (4, 1, 2, []), (4, 3, 1, []), (4, 1, 0, OFFLOAD), (2, 1, 1, PALM)]
+
+
+def assert_same_run(ref_path, run_path):
+    ref, run = read_metrics(ref_path), read_metrics(run_path)
+    assert len(ref) == len(run) == 5
+    for a, b in zip(ref, run):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    w_ref, w_run = final_weights(ref_path), final_weights(run_path)
+    assert w_ref.keys() == w_run.keys()
+    for name in w_ref:
+        # fp32, 5 AdamW steps at lr 1e-3: a reordered sum moves a weight by ~1e-8
+        torch.testing.assert_close(w_run[name], w_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process runs, one per (micro-batches per step, model), shared between cases."""
+    runs = {}
+
+    def get(accumulation, model_flags):
+        key = (accumulation, tuple(model_flags))
+        if key not in runs:
+            path = write_config(tmp_path_factory.mktemp("ref"), "ref",
+                                TINY + model_flags + ["--grad_acc_steps", str(accumulation)])
+            launch(path, 1)
+            runs[key] = path
+        return runs[key]
+    return get
+
+
+@pytest.mark.parametrize("dp,acc,zero,extra", CASES)
+def test_dp_matches_single_process(tmp_path, reference, dp, acc, zero, extra):
+    run = write_config(tmp_path, "dp", TINY + extra + ["--grad_acc_steps", str(acc), "--dp",
+                                                      str(dp), "--zero_stage", str(zero)])
+    launch(run, dp)
+    # The same global batch in one process: dp * acc micro-batches, accumulated.
+    assert_same_run(reference(acc * dp, extra if extra is PALM else []), run)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp") / "dp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+           "--master_port", str(free_port()),
+           os.path.join(ROOT, "tests", "workers", "dp_worker.py"), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_first_reduction_starts_before_backward_ends(measured):
+    for key in ("zero0", "zero1", "zero2"):
+        m = measured[key]
+        assert m["num_buckets"] >= 3
+        assert len(m["launch_log"]) == m["num_buckets"]      # every bucket reduced once
+        first_bucket, grads_ready = m["launch_log"][0]
+        assert grads_ready < m["num_params"], m["launch_log"]  # launched mid-backward
+
+
+def test_zero_shards_optimizer_state_and_gradients(measured):
+    full = measured["zero0"]
+    # 4 DP ranks: each holds ~1/4 of AdamW's moments (padding makes it a little more).
+    for key in ("zero1", "zero2"):
+        ratio = measured[key]["state_bytes"] / full["state_bytes"]
+        assert 0.24 < ratio < 0.27, (key, ratio)
+    assert measured["zero1"]["grad_bytes"] == pytest.approx(full["grad_bytes"], rel=0.02)
+    ratio = measured["zero2"]["grad_bytes"] / full["grad_bytes"]
+    assert 0.24 < ratio < 0.27, ratio
+    assert 0.45 < measured["zero1_offload_half"]["offloaded_frac"] < 0.75
+
+
+def test_fp16_loss_scaler_skips_and_recovers():
+    s = DynamicLossScaler(True, initial_scale=1024.0, window=3)
+    s.update(overflow=True)
+    assert (s.scale, s.skipped_steps) == (512.0, 1)
+    for _ in range(3):
+        s.update(overflow=False)
+    assert s.scale == 1024.0
+    off = DynamicLossScaler(False, 1024.0, 3)
+    off.update(overflow=True)
+    assert off.scale == 1.0
+
+
+def test_fp16_training_skips_overflowing_steps_and_trains(tmp_path):
+    """fp16 on CPU with an absurd initial scale: the first steps overflow, are skipped and
+    logged, the scale halves each time, and training then proceeds with finite losses."""
+    path = write_config(tmp_path, "fp16", TINY + ["--set", "training.dtype=float16",
+                                                  "--set", "training.initial_loss_scale=1e12",
+                                                  "--total_train_steps", "60",
+                                                  "--set", "checkpoint.save_frequency=0"])
+    launch(path, 1)
+    records = read_metrics(path)
+    skipped = [r["step"] for r in records if r["skipped"]]
+    # fp16 gradients overflow until the scale is below ~1e5: about 23 halvings from 1e12.
+    assert skipped == list(range(1, len(skipped) + 1)) and 15 <= len(skipped) <= 35, skipped
+    for s in skipped[1:]:
+        assert records[s - 1]["loss_scale"] == records[s - 2]["loss_scale"] / 2
+    good = [r for r in records if not r["skipped"]]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in good)
+    assert sum(r["loss"] for r in good[-10:]) / 10 < records[0]["loss"] - 0.5   # it learns
+
+
+def test_precision_regimes_hold_the_stated_optimizer_state(measured):
+    """Bytes of optimizer state per parameter: fp32 params, two fp32 moments (8); bf16 with
+    fp32 master weights, master + two fp32 moments (12); bf16 without (picotron's regime),
+    two bf16 moments (4)."""
+    assert measured["zero0"]["bytes_per_param"] == pytest.approx(8, rel=1e-3)
+    assert measured["bf16_master"]["bytes_per_param"] == pytest.approx(12, rel=1e-3)
+    assert measured["bf16_no_master"]["bytes_per_param"] == pytest.approx(4, rel=1e-3)
