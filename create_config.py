@@ -11,7 +11,7 @@ import os
 import sys
 
 from picotron.config import Config, ConfigError, config_from_dict
-from picotron.presets import resolve_model
+from picotron.presets import pretrained_weights, resolve_model
 
 # flag -> (section, key): picotron's spelling on the left, the config's names on the right.
 FLAG_KEYS = {
@@ -70,7 +70,8 @@ def parse_override(item: str):
 
 def build_config_dict(args) -> dict:
     raw = Config().to_dict()
-    raw["model"].update(resolve_model(args.model_name, args.hf_token))
+    resolved = resolve_model(args.model_name, args.hf_token)
+    raw["model"].update(resolved)
     if args.use_cpu:                   # fp32 on CPU: the precision parity tests rely on
         raw["training"]["dtype"] = "float32"
     for flag, (section, key) in FLAG_KEYS.items():
@@ -83,6 +84,16 @@ def build_config_dict(args) -> dict:
             raise ConfigError(f"--set {item!r}: unknown section '{section}'; valid sections: "
                               f"{', '.join(raw)}")
         raw[section][key] = value      # unknown keys are caught by config_from_dict
+    # A Hugging Face checkpoint as --model_name: start from its weights, unless a flag changed
+    # the architecture (then its weights cannot fit: train from scratch, and say so).
+    weights = pretrained_weights(args.model_name)
+    if weights and raw["checkpoint"]["init_from"] is None:
+        changed = [f"{k}={raw['model'][k]}" for k, v in resolved.items() if raw["model"][k] != v]
+        if not changed:
+            raw["checkpoint"]["init_from"] = weights
+        else:
+            print(f"note: {', '.join(changed)} differs from {args.model_name}, so its weights "
+                  f"are not loaded (random init)", file=sys.stderr)
     return raw
 
 

@@ -14,17 +14,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from picotron.checkpoint import save_weights
+from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_root
 from picotron.config import ConfigError, load_config
-from picotron.data import DataError, build_data, micro_batch
+from picotron.context_parallel import apply_context_parallel, shard_sequence
+from picotron.data import DataError, build_train_val, data_state, micro_batch
+from picotron.data_parallel import DistributedAdamW, GradBuckets
+from picotron.hf_io import load_hf_weights
 from picotron.model import Decoder, materialize, resolve_attention
 from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
                                         pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
-from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.tensor_parallel import apply_tensor_parallel, loss_function
 from picotron.utils import (MetricsLog, count_params, flops_per_token, format_step, lr_at,
                             peak_flops, set_seed)
+from picotron.validation import validation_loss
 
 
 def setup(config_path):
@@ -51,11 +54,6 @@ def setup(config_path):
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("cp_size",)
-               if getattr(d, axis) > 1]
-    if not_yet:     # refused up front rather than trained wrongly
-        raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
-                          f"set it to 1")
     pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size, timeout=timeout)
     return config, pgm, device
 
@@ -73,8 +71,12 @@ def build_model(config, pgm, device):
     # context parallel (swap the attention function for ring attention).
     model = apply_tensor_parallel(model, pgm, config)
     model = apply_pipeline_parallel(model, pgm, config)
-    return materialize(model, config.training.seed, device, dtype,
-                       config.model.initializer_range)
+    model = apply_context_parallel(model, pgm, config)
+    model = materialize(model, config.training.seed, device, dtype,
+                        config.model.initializer_range)
+    if config.checkpoint.init_from:   # pretrained weights replace the random draw, never after
+        load_hf_weights(model, config.checkpoint.init_from)
+    return model
 
 
 def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
@@ -90,7 +92,10 @@ def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scal
     total = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
-        logits = model(inputs.to(device))                                  # (B, T, V)
+        # Context parallel: this rank's zigzag share of the tokens, their targets and true
+        # positions (all of them, positions 0..T-1, when cp_size is 1).
+        inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
+        logits = model(inputs.to(device), position_ids.to(device))         # (B, T, V)
         loss = loss_fn(logits, targets.to(device)) / accum
         grads.sync = micro == accum - 1
         (loss * loss_scale).backward()
@@ -136,12 +141,16 @@ def main(argv=None):
     grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
     optimizer = DistributedAdamW(grads, pgm, config)
     loss_fn = loss_function(pgm, config)     # vocab-parallel when the logits are TP-sharded
-    data = build_data(config)
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config)
+    data, val_data = build_train_val(config, run_dir)
+    # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
+    start_step, tokens_seen = resume(config, run_dir, model, optimizer, pgm, data)
+    if is_logger and start_step:
+        print(f"resumed at step {start_step} from {config.checkpoint.load_path}", flush=True)
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config,
+                         keep_until_step=start_step)
 
     # ---- train --------------------------------------------------------------------------
-    tokens_seen = 0
-    for step in range(t.total_train_steps):
+    for step in range(start_step, t.total_train_steps):
         start = time.perf_counter()
         lr = lr_at(step + 1, t)
         loss = train_step(model, loss_fn, grads, data, step, config, pgm, device,
@@ -166,16 +175,22 @@ def main(argv=None):
         metrics.write(record)
         if is_logger and (step + 1) % config.logging.log_frequency == 0:
             print(format_step(record), flush=True)
+        if t.val_frequency and (step + 1) % t.val_frequency == 0:
+            val = validation_loss(model, loss_fn, val_data, config, pgm, device)
+            metrics.write({"step": step + 1, "val_loss": val})
+            if is_logger:
+                print(f"step {step + 1:>5} | val loss {val:.4f}", flush=True)
         every = config.checkpoint.save_frequency
         if every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps):
-            save_weights(model, pgm, os.path.join(run_dir, config.checkpoint.save_dir,
-                                                  f"step_{step + 1:06d}"))
+            save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
+                            {"tokens_seen": tokens_seen, "data": data_state(config, step + 1,
+                                                                            data)})
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

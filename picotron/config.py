@@ -23,6 +23,7 @@ class DistributedConfig:
     tp_size: int = 1            # tensor parallel: shards of every weight matrix (Megatron)
     pp_size: int = 1            # pipeline parallel: stages of consecutive layers
     cp_size: int = 1            # context parallel: shards of every sequence (ring attention)
+    cp_mode: str = "ring"       # ring: K/V pass around the ring | ulysses: all-to-all over heads
     pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
     pp_virtual_stages: int = 2  # interleaved only: model chunks per pp rank (Megatron's v)
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
@@ -75,26 +76,33 @@ class TrainingConfig:
     initial_loss_scale: float = 65536.0  # float16 only: dynamic loss scaling
     loss_scale_window: int = 1000      # good steps before the loss scale doubles
     use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
+    val_frequency: int = 0             # steps between val_loss evaluations; 0: never
 
 
 @dataclass
 class DatasetConfig:
     # "embedded": text of this Python's standard library, byte-level (needs no download).
     # "synthetic": random tokens drawn from the seed and the sample index.
+    # Anything else: a Hugging Face dataset id or a local path (directory, or text / json /
+    # jsonl / parquet / arrow files), tokenized once (picotron/tokenized_data.py).
     name: str = "embedded"
     subset_name: Optional[str] = None
     split: str = "train"
     text_column: str = "text"
-    num_samples: Optional[int] = None
-    num_proc: int = 1
+    num_samples: Optional[int] = None  # rows (documents) kept; windows for "embedded"
+    num_proc: int = 1                  # processes that tokenize (datasets.map)
     tokenizer: Optional[str] = None    # None: the model's tokenizer, "byte": byte-level
+    val_split: Optional[str] = None    # held-out split; None: carve val_samples off the end
+    val_samples: int = 0               # validation windows (seq_length+1 tokens); 0: none
 
 
 @dataclass
 class CheckpointConfig:
     save_dir: str = "checkpoints"      # relative paths are resolved against the run dir
-    save_frequency: int = 0            # steps between checkpoints; 0: never
-    load_path: Optional[str] = None
+    save_frequency: int = 0            # steps between checkpoints (and the last); 0: never
+    keep_last: int = 0                 # checkpoints kept, oldest deleted first; 0: keep all
+    load_path: Optional[str] = None    # resume: a checkpoint directory or "latest"
+    init_from: Optional[str] = None    # Hugging Face weights (dir or hub id) to start from
 
 
 @dataclass
@@ -136,6 +144,7 @@ class Config:
 
 
 PP_ENGINES = ("afab", "1f1b", "interleaved")
+CP_MODES = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
@@ -194,6 +203,7 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None) -> Config:
         else:
             built[key] = _build_section(hints[key], value, key, errors)
     config = Config(**built)
+    from picotron.config_checks import layout_errors   # the checks live beside, by idea
     errors += layout_errors(config, world_size)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
@@ -210,110 +220,3 @@ def load_config(path: str, world_size: Optional[int] = None) -> Config:
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
     return config_from_dict(raw, world_size)
-
-
-def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
-    """Every reason this config cannot run, each with the values involved and a fix."""
-    d, m, t = config.distributed, config.model, config.training
-    errors = []
-    for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
-        if getattr(d, name) < 1:
-            errors.append(f"distributed.{name}={getattr(d, name)} must be >= 1")
-    if errors:
-        return errors
-    if world_size is not None and config.world_size != world_size:
-        errors.append(
-            f"dp_size*tp_size*pp_size*cp_size = {d.dp_size}*{d.tp_size}*{d.pp_size}*{d.cp_size}"
-            f" = {config.world_size}, but {world_size} processes were launched; launch with "
-            f"`torchrun --nproc_per_node {config.world_size}` or change the sizes")
-    if d.pp_engine not in PP_ENGINES:
-        errors.append(f"distributed.pp_engine='{d.pp_engine}' must be one of {PP_ENGINES}")
-    if d.zero_stage not in (0, 1, 2):
-        errors.append(f"distributed.zero_stage={d.zero_stage} must be 0, 1 or 2")
-    if m.num_attention_heads < 1 or m.num_key_value_heads < 1 or m.num_hidden_layers < 1:
-        errors.append("model.num_attention_heads, num_key_value_heads and num_hidden_layers "
-                      "must all be >= 1")
-        return errors
-    if m.hidden_size % m.num_attention_heads:
-        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
-                      f"num_attention_heads={m.num_attention_heads}")
-    elif (m.hidden_size // m.num_attention_heads) % 2:
-        errors.append(f"head_dim = hidden_size/num_attention_heads = "
-                      f"{m.hidden_size // m.num_attention_heads} must be even for RoPE")
-    if m.num_attention_heads % m.num_key_value_heads:
-        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                      f"num_key_value_heads={m.num_key_value_heads}: each kv head serves a "
-                      f"whole group of query heads")
-    if m.num_attention_heads % d.tp_size:
-        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                      f"tp_size={d.tp_size}; pick a tp_size that divides it")
-    if m.num_key_value_heads % d.tp_size:
-        errors.append(f"model.num_key_value_heads={m.num_key_value_heads} is not divisible by "
-                      f"tp_size={d.tp_size}: each TP rank holds whole kv heads (they are not "
-                      f"replicated across ranks); pick a tp_size that divides it")
-    per_rank = -(-m.vocab_size // d.tp_size)          # vocab rows per TP rank, padded
-    if (d.tp_size - 1) * per_rank >= m.vocab_size:
-        errors.append(f"model.vocab_size={m.vocab_size} split over tp_size={d.tp_size} "
-                      f"({per_rank} rows each) leaves the last TP rank no rows; lower tp_size")
-    if d.sequence_parallel and d.tp_size > 1 and t.seq_length % (d.cp_size * d.tp_size):
-        errors.append(f"distributed.sequence_parallel: training.seq_length={t.seq_length} is "
-                      f"not divisible by cp_size*tp_size={d.cp_size * d.tp_size}: each TP rank "
-                      f"holds an equal chunk of its sequence; use a multiple of it")
-    if m.intermediate_size % d.tp_size:
-        errors.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
-                      f"tp_size={d.tp_size}")
-    if m.num_hidden_layers < d.pp_size:
-        errors.append(f"model.num_hidden_layers={m.num_hidden_layers} < pp_size={d.pp_size}: "
-                      f"every pipeline stage needs at least one layer; lower pp_size")
-    errors += pipeline_errors(config)
-    if d.cp_size > 1 and t.seq_length % (2 * d.cp_size):
-        errors.append(f"training.seq_length={t.seq_length} is not divisible by 2*cp_size="
-                      f"{2 * d.cp_size}: the load-balanced causal split gives each cp rank two "
-                      f"equal chunks; use a multiple of {2 * d.cp_size}")
-    if t.seq_length > m.max_position_embeddings:
-        errors.append(f"training.seq_length={t.seq_length} > model.max_position_embeddings="
-                      f"{m.max_position_embeddings}")
-    if m.norm_type not in NORM_TYPES:
-        errors.append(f"model.norm_type='{m.norm_type}' must be one of {NORM_TYPES}")
-    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
-        errors.append(f"model.attn_implementation='{m.attn_implementation}' must be one of "
-                      f"{ATTN_IMPLEMENTATIONS}")
-    if t.dtype not in DTYPES:
-        errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
-    for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",
-                 "total_train_steps"):
-        if getattr(t, name) < 1:
-            errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
-    if t.warmup_steps < 0:
-        errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
-    if not 0.0 <= d.offload_optim_frac <= 1.0:
-        errors.append(f"distributed.offload_optim_frac={d.offload_optim_frac} must be in [0, 1]")
-    if d.bucket_size_mb <= 0:
-        errors.append(f"distributed.bucket_size_mb={d.bucket_size_mb} must be > 0")
-    if t.dtype == "float16" and not t.master_weights:
-        errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
-                      "weights cannot absorb small updates, and loss scaling unscales into them")
-    if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
-        errors.append(f"training.initial_loss_scale={t.initial_loss_scale} and "
-                      f"loss_scale_window={t.loss_scale_window} must be >= 1")
-    if m.vocab_size < 2:
-        errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
-    return errors
-
-
-def pipeline_errors(config: Config) -> list:
-    """afab and 1f1b take any number of micro-batches (fewer than pp_size: correct, slow);
-    interleaved sends them round in groups of pp_size through pp_size*v equal layer chunks."""
-    d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
-    pp, v = d.pp_size, d.pp_virtual_stages
-    errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
-    if v < 1:
-        errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
-    elif pp > 1 and d.pp_engine == "interleaved" and acc % pp:
-        errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps to be "
-                      f"a multiple of pp_size={pp} (at least {pp}), got {acc}")
-    elif pp > 1 and d.pp_engine == "interleaved" and m.num_hidden_layers % (pp * v):
-        errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers={m.num_hidden_layers}"
-                      f" into pp_size*pp_virtual_stages = {pp}*{v} equal chunks, which does not "
-                      f"divide it; change one of the three")
-    return errors

@@ -10,6 +10,12 @@ Sources:
   default corpus exists on any machine, tokenized byte-level (vocab 256) as in the enwik8
   setup. Documents (files) are separated by byte 0, which never occurs in Python source.
 - "synthetic": uniform random tokens drawn from the seed and the sample index.
+- anything else: a Hugging Face dataset (hub id or local files), tokenized once into a cache
+  and packed the same way (picotron/tokenized_data.py).
+
+Validation: `dataset.val_samples` windows held out, from `dataset.val_split` when given, else
+carved off the end of the training stream before shuffling (so no training window overlaps
+them). They are read in order, never shuffled.
 """
 import os
 import sysconfig
@@ -51,48 +57,119 @@ def _generator(seed: int, *keys: int) -> torch.Generator:
 
 
 class SyntheticData:
-    def __init__(self, seq_len: int, vocab_size: int, seed: int):
-        self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
+    def __init__(self, seq_len: int, vocab_size: int, seed: int, stream: int = 1):
+        self.seq_len, self.vocab_size, self.seed, self.stream = seq_len, vocab_size, seed, stream
 
     def window(self, index: int) -> torch.Tensor:
-        g = _generator(self.seed, 1, index)
+        g = _generator(self.seed, self.stream, index)     # stream 1: training, 3: validation
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
 
 
 class PackedTokens:
-    """A token stream cut into disjoint windows, visited in a fresh random order each epoch."""
+    """Windows [first, first + count) of a token stream cut into disjoint (seq_len+1)-token
+    windows, visited in a fresh random order each epoch (shuffle=False: in order, once).
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int, num_samples=None):
-        self.seq_len, self.seed = seq_len, seed
-        self.num_windows = len(tokens) // (seq_len + 1)
-        if num_samples is not None:
-            self.num_windows = min(self.num_windows, num_samples)
-        if self.num_windows == 0:
-            raise DataError(f"the corpus has {len(tokens)} tokens, fewer than one window "
-                                  f"of seq_length+1 = {seq_len + 1}; lower training.seq_length")
-        self.windows = tokens[: self.num_windows * (seq_len + 1)].view(self.num_windows, -1)
+    tokens: (N,) integer tensor, possibly a memory-mapped cache file (never copied whole).
+    Window j is tokens[j*(T+1) : (j+1)*(T+1)]; the remainder of the stream is dropped."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int, first: int = 0,
+                 count: int = None, shuffle: bool = True):
+        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
+        self.first = first
+        self.num_windows = len(tokens) // (seq_len + 1) - first if count is None else count
+        if self.num_windows <= 0:
+            raise DataError(f"the corpus has {len(tokens)} tokens, too few for one window of "
+                            f"seq_length+1 = {seq_len + 1} tokens (after {first} held-out "
+                            f"windows); lower training.seq_length or dataset.val_samples, or "
+                            f"use more data")
         self._epoch, self._order = None, None
+
+    def __len__(self) -> int:
+        return self.num_windows
 
     def window(self, index: int) -> torch.Tensor:
         epoch, offset = divmod(index, self.num_windows)
-        if epoch != self._epoch:   # each epoch is one permutation drawn from (seed, epoch)
+        if self.shuffle and epoch != self._epoch:   # one permutation per (seed, epoch)
             self._epoch = epoch
-            self._order = torch.randperm(self.num_windows, generator=_generator(self.seed, 2, epoch))
-        return self.windows[self._order[offset]].long()
+            self._order = torch.randperm(self.num_windows,
+                                         generator=_generator(self.seed, 2, epoch))
+        j = self.first + (int(self._order[offset]) if self.shuffle else offset)
+        size = self.seq_len + 1
+        return self.tokens[j * size:(j + 1) * size].long()
 
 
-def build_data(config):
-    """The window source named by `dataset.name`."""
+def split_stream(tokens, config, max_windows=None):
+    """(train, val) PackedTokens over one stream: the last `val_samples` windows are held out
+    (val is None when val_samples is 0). max_windows caps the windows used in all."""
+    t, v = config.training, config.dataset.val_samples
+    total = len(tokens) // (t.seq_length + 1)
+    if max_windows is not None:
+        total = min(total, max_windows)
+    if v and v >= total:
+        raise DataError(f"dataset.val_samples={v} holds out every one of the {total} windows "
+                        f"of seq_length+1 = {t.seq_length + 1} tokens; lower it")
+    train = PackedTokens(tokens, t.seq_length, t.seed, 0, total - v)
+    val = PackedTokens(tokens, t.seq_length, t.seed, total - v, v, shuffle=False) if v else None
+    return train, val
+
+
+def build_data(config, run_dir=None):
+    """The training window source named by `dataset.name`."""
+    return build_train_val(config, run_dir)[0]
+
+
+def build_train_val(config, run_dir=None):
+    """(train, validation) window sources; validation is None when dataset.val_samples is 0.
+
+    A Hugging Face dataset is tokenized by rank 0 into a cache under `run_dir` while the other
+    ranks wait (collective when a process group exists: every rank calls it)."""
     d, t, m = config.dataset, config.training, config.model
     if d.name == "synthetic":
-        return SyntheticData(t.seq_length, m.vocab_size, t.seed)
+        val = SyntheticData(t.seq_length, m.vocab_size, t.seed, 3) if d.val_samples else None
+        return SyntheticData(t.seq_length, m.vocab_size, t.seed), val
     if d.name == "embedded":
         if m.vocab_size < 256:
             raise DataError(f"the embedded corpus is byte-level and needs "
-                                  f"model.vocab_size >= 256, got {m.vocab_size}")
-        return PackedTokens(embedded_corpus_bytes(), t.seq_length, t.seed, d.num_samples)
-    raise DataError(f"dataset.name='{d.name}' is not a known source; this version loads "
-                          f"'embedded' (the built-in corpus) or 'synthetic'")
+                            f"model.vocab_size >= 256, got {m.vocab_size}")
+        if config.checkpoint.init_from and d.tokenizer != "byte":
+            raise DataError(f"the embedded corpus is byte-level, but the weights of "
+                            f"{config.checkpoint.init_from} expect their own tokenizer; set "
+                            f"dataset.name to a dataset (it is tokenized with the model's "
+                            f"tokenizer), or dataset.tokenizer='byte' if you mean it")
+        # num_samples counts windows here (the corpus has no rows).
+        return split_stream(embedded_corpus_bytes(), config, d.num_samples)
+    from picotron.tokenized_data import dataset_tokens
+    train_tokens = dataset_tokens(config, d.split, run_dir)
+    if d.val_split is None:
+        return split_stream(train_tokens, config)
+    train = PackedTokens(train_tokens, t.seq_length, t.seed)
+    if not d.val_samples:
+        return train, None
+    val_tokens = dataset_tokens(config, d.val_split, run_dir)
+    count = min(d.val_samples, len(val_tokens) // (t.seq_length + 1))
+    return train, PackedTokens(val_tokens, t.seq_length, t.seed, 0, count, shuffle=False)
+
+
+def data_state(config, step: int, data) -> dict:
+    """The data position after `step` optimizer steps, as saved in a checkpoint."""
+    next_sample = step * config.global_batch_size
+    num = getattr(data, "num_windows", None)
+    return {"next_sample": next_sample, "global_batch_size": config.global_batch_size,
+            "num_windows": num, "epoch": next_sample // num if num else 0}
+
+
+def check_data_state(state: dict, config, step: int, data) -> None:
+    """Refuse a resume that would not continue the same sample sequence."""
+    G, num = config.global_batch_size, getattr(data, "num_windows", None)
+    if state["global_batch_size"] != G or state["next_sample"] != step * G:
+        raise DataError(f"the checkpoint was written with a global batch of "
+                        f"{state['global_batch_size']} sequences, this config has {G} (mbs x "
+                        f"grad_acc x dp); resuming would skip or repeat samples: keep the "
+                        f"global batch size, or start a new run from its weights")
+    if state["num_windows"] != num:
+        raise DataError(f"the checkpoint's dataset had {state['num_windows']} windows, this one "
+                        f"has {num}: the data, tokenizer, seq_length or val_samples changed, so "
+                        f"the sample order would differ; resume with the same dataset settings")
 
 
 def micro_batch(data, step: int, micro: int, config, dp_rank: int):

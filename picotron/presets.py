@@ -33,6 +33,10 @@ def model_fields_from_hf(hf: dict, source: str) -> dict:
                 if k in hf and hf[k] != v and not (k == "attention_dropout" and hf[k] == 0)]
     if hf.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "smollm3"):
         problems.append(f"model_type={hf.get('model_type')!r} (supported: a Llama-family model)")
+    rope = hf.get("rope_parameters") or {}      # transformers >= 5 nests rope_theta here
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.rope_type={rope['rope_type']!r} (supported: "
+                        f"'default')")
     heads = hf.get("num_attention_heads")
     if heads and hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         problems.append(f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
@@ -40,6 +44,8 @@ def model_fields_from_hf(hf: dict, source: str) -> dict:
         raise ConfigError(f"{source} describes a model this framework cannot run exactly: "
                           + "; ".join(problems))
     fields = {k: hf[k] for k in ModelConfig.__dataclass_fields__ if k in hf and k != "name"}
+    if "rope_theta" in rope:
+        fields["rope_theta"] = float(rope["rope_theta"])
     fields.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -66,3 +72,14 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the name, "
             f"your network, or pass --hf_token for a gated model") from None
     return {"name": name, **model_fields_from_hf(hf, f"hub config of {name}")}
+
+
+def pretrained_weights(name: str):
+    """`name` when it holds weights to start from (a local Hugging Face directory with
+    safetensors files, or a hub id that is not a shipped preset), else None."""
+    if any(name in (p, spec.get("hub_id")) for p, spec in presets().items()):
+        return None
+    if os.path.isdir(name):
+        has = glob.glob(os.path.join(name, "*.safetensors"))
+        return os.path.abspath(name) if has else None
+    return name

@@ -57,13 +57,22 @@ def peak_flops(device) -> float:
 
 class MetricsLog:
     """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank),
-    and to Weights & Biases when `logging.use_wandb` is set."""
+    and to Weights & Biases when `logging.use_wandb` is set.
 
-    def __init__(self, path: str, enabled: bool, config=None):
+    A resumed run keeps the records up to its first step (keep_until_step) and drops the
+    later ones, which the run is about to write again."""
+
+    def __init__(self, path: str, enabled: bool, config=None, keep_until_step: int = 0):
         self.path, self.enabled, self.wandb = path, enabled, None
         if enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            open(path, "w").close()
+            kept = []
+            if keep_until_step and os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if line.strip()
+                            and json.loads(line)["step"] <= keep_until_step]
+            with open(path, "w") as f:
+                f.writelines(kept)
         if enabled and config is not None and config.logging.use_wandb:
             try:
                 import wandb
@@ -87,5 +96,8 @@ def format_step(r: dict) -> str:
     return (f"step {r['step']:>5} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
-            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms")
+            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms"
+            + (f" | loss scale {r['loss_scale']:g}" + (" (overflow: step skipped)"
+                                                      if r["skipped"] else "")
+               if "loss_scale" in r else ""))
 

@@ -177,7 +177,7 @@ for engine in ("afab", "1f1b"):
     pgm = ProcessGroupManager(1, 4, 1, 1)
     model = train.build_model(config, pgm, torch.device("cpu"))
     data = build_data(config)
-    batch = lambda micro: micro_batch(data, 0, micro, config, 0)
+    batch = lambda micro: micro_batch(data, 0, micro, config, 0) + (None,)
     steps = steps_for(engine, 4, 8, 1, pgm.pp_rank)
     _, peaks[engine] = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), batch,
                                  causal_lm_loss, config, pgm)
@@ -200,10 +200,10 @@ import os, time
 import train
 from picotron.pipeline_parallel import engine
 real_forward = engine.forward_step
-def forward_step(model, inputs, layers):
+def forward_step(model, inputs, position_ids, layers):
     if os.environ["RANK"] == "1":
         {fault}
-    return real_forward(model, inputs, layers)
+    return real_forward(model, inputs, position_ids, layers)
 engine.forward_step = forward_step
 train.main(["--config", {config!r}])
 """

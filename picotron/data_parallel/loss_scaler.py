@@ -26,3 +26,12 @@ class DynamicLossScaler:
             if self.good_steps == self.window:
                 self.scale *= 2
                 self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.enabled:
+            self.scale, self.good_steps = state["scale"], state["good_steps"]
+            self.skipped_steps = state["skipped_steps"]

@@ -17,6 +17,8 @@ AdamW is elementwise, so running it on flat shards is the same math as on whole 
 import torch
 import torch.distributed as dist
 
+from picotron.comm import all_gather_single
+
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
 
 
@@ -113,3 +115,58 @@ class DistributedAdamW:
                 total += sum(v.numel() * v.element_size() for v in state.values()
                              if torch.is_tensor(v) and v.dim() > 0)
         return total
+
+    # ---- checkpoints: state keyed by parameter name, independent of buckets and ZeRO ------
+    def _keys(self, master, shard):
+        return ["exp_avg", "exp_avg_sq"] + (["master"] if master is not shard else [])
+
+    def param_state(self) -> dict:
+        """{param: {key: tensor shaped like the param}} for this rank's (TP-local) parameters,
+        with key in exp_avg, exp_avg_sq and, with separate master weights, master; plus
+        {"step": n}. Collective over cp_dp under ZeRO (the shards are gathered)."""
+        out = {"step": 0}
+        for b, master, shard in zip(self.grads.buckets, self.masters, self.param_shards):
+            state = self._optimizer_of(master).state.get(master)
+            if not state:
+                continue
+            out["step"] = int(state["step"])
+            for key in self._keys(master, shard):
+                local = (master if key == "master" else state[key]).detach()
+                local = local.to(device=b.params.device, dtype=torch.float32)
+                full = self._gather(b, local)
+                for p, offset in zip(b.members, b.offsets):
+                    out.setdefault(p, {})[key] = full[offset:offset + p.numel()].view_as(p)
+        return out
+
+    def load_param_state(self, state: dict) -> None:
+        """Inverse of param_state, after the weights were loaded into the parameters. Masters
+        missing from `state` (a checkpoint of fp32 weights) are taken from the parameters."""
+        for b, master, shard in zip(self.grads.buckets, self.masters, self.param_shards):
+            opt = self._optimizer_of(master)
+            start = self.grads.shard_index * b.shard_numel
+            def piece(key):
+                flat = torch.zeros(b.numel, dtype=torch.float32, device=b.params.device)
+                for p, offset in zip(b.members, b.offsets):
+                    flat[offset:offset + p.numel()] = state[p][key].flatten()
+                return flat[start:start + b.shard_numel].to(master.device, master.dtype)
+            with torch.no_grad():
+                if master is not shard:
+                    has = all("master" in state.get(p, {}) for p in b.members)
+                    master.copy_(piece("master") if has else shard)
+            if all("exp_avg" in state.get(p, {}) for p in b.members):
+                fused = opt.defaults.get("fused")
+                opt.state[master] = {
+                    "step": torch.tensor(float(state["step"]), dtype=torch.float32,
+                                         device=master.device if fused else "cpu"),
+                    "exp_avg": piece("exp_avg"), "exp_avg_sq": piece("exp_avg_sq")}
+
+    def _optimizer_of(self, master):
+        return next(o for o in self.optimizers
+                    if any(m is master for g in o.param_groups for m in g["params"]))
+
+    def _gather(self, bucket, local):
+        if self.grads.shards == 1:
+            return local
+        full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
+        all_gather_single(full, local.contiguous(), group=self.pgm.cp_dp_group)
+        return full

@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from picotron.context_parallel import shard_sequence
 from picotron.data import micro_batch
 from picotron.pipeline_parallel.p2p import check_spec, exchange, message_spec
 from picotron.pipeline_parallel.schedules import rank_steps, schedule_orders, timeline
@@ -39,10 +40,10 @@ def steps_for(engine: str, pp: int, micro_batches: int, v: int, rank: int) -> tu
     return tuple(rank_steps(timeline(schedule_orders(engine, pp, micro_batches, v), v), rank, v))
 
 
-def forward_step(model, inputs, chunk_layers):
+def forward_step(model, inputs, position_ids, chunk_layers):
     """inputs: token ids (B, T) or hidden states (B, T, C) -> (B, T, C), or logits (B, T, V)
-    after the model's last layer."""
-    return model(inputs, layers=chunk_layers)
+    after the model's last layer. position_ids (B, T): every stage needs them for RoPE."""
+    return model(inputs, position_ids, layers=chunk_layers)
 
 
 def backward_step(output, grad_output):
@@ -52,9 +53,9 @@ def backward_step(output, grad_output):
 
 def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=1.0):
     """Execute this rank's `steps`. chunks[c]: layer keys of chunk c. get_batch(micro) ->
-    (inputs, targets) on the device; loss_fn(logits, targets) -> mean loss. Returns (sum of
-    the divided losses on the last stage, else 0; the most micro-batch activations this rank
-    held at once)."""
+    (inputs, targets, position_ids) on the device; loss_fn(logits, targets) -> mean loss.
+    Returns (sum of the divided losses on the last stage, else 0; the most micro-batch
+    activations this rank held at once)."""
     pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
     last_stage = pp * len(chunks) - 1
     accum = config.training.gradient_accumulation_steps
@@ -74,7 +75,7 @@ def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=
                     inputs = get_batch(a.micro)[0]                                # (B, T)
                 else:      # a leaf, so its .grad is what goes back to the previous stage
                     inputs = inbox.pop(("act", s, a.micro)).requires_grad_()     # (B, T, C)
-                output = forward_step(model, inputs, chunks[a.chunk])
+                output = forward_step(model, inputs, get_batch(a.micro)[2], chunks[a.chunk])
                 if s == last_stage:
                     output = loss_fn(output, get_batch(a.micro)[1]) / accum
                     total += output.detach()
@@ -111,9 +112,10 @@ def pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device, 
     engine, accum = config.distributed.pp_engine, config.training.gradient_accumulation_steps
     steps = steps_for(engine, pgm.pp_size, accum, virtual_stages(config), pgm.pp_rank)
 
-    def get_batch(micro):
+    def get_batch(micro):      # as train.py's one-process loop: this cp rank's zigzag share
         inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
-        return inputs.to(device), targets.to(device)
+        inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
+        return inputs.to(device), targets.to(device), position_ids.to(device)
 
     grads.sync = False          # reductions start in grads.finish(), after the schedule
     loss, _ = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), get_batch, loss_fn,

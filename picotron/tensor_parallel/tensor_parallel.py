@@ -28,7 +28,6 @@ import fnmatch
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from picotron.model import causal_lm_loss
 from picotron.tensor_parallel.comms import enter_tp

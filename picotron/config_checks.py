@@ -1,0 +1,135 @@
+"""Every reason a config cannot run, each with the values involved and the fix.
+
+Called by `config.config_from_dict` at load time, so an impossible layout is refused before a
+single process group exists."""
+from typing import Optional
+
+from picotron.config import (ATTN_IMPLEMENTATIONS, CP_MODES, DTYPES, NORM_TYPES, PP_ENGINES,
+                             Config)
+
+
+def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
+    """Every reason this config cannot run, each with the values involved and a fix."""
+    d, m, t = config.distributed, config.model, config.training
+    errors = []
+    for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
+        if getattr(d, name) < 1:
+            errors.append(f"distributed.{name}={getattr(d, name)} must be >= 1")
+    if errors:
+        return errors
+    if world_size is not None and config.world_size != world_size:
+        errors.append(
+            f"dp_size*tp_size*pp_size*cp_size = {d.dp_size}*{d.tp_size}*{d.pp_size}*{d.cp_size}"
+            f" = {config.world_size}, but {world_size} processes were launched; launch with "
+            f"`torchrun --nproc_per_node {config.world_size}` or change the sizes")
+    if d.pp_engine not in PP_ENGINES:
+        errors.append(f"distributed.pp_engine='{d.pp_engine}' must be one of {PP_ENGINES}")
+    if d.zero_stage not in (0, 1, 2):
+        errors.append(f"distributed.zero_stage={d.zero_stage} must be 0, 1 or 2")
+    if m.num_attention_heads < 1 or m.num_key_value_heads < 1 or m.num_hidden_layers < 1:
+        errors.append("model.num_attention_heads, num_key_value_heads and num_hidden_layers "
+                      "must all be >= 1")
+        return errors
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                      f"num_attention_heads={m.num_attention_heads}")
+    elif (m.hidden_size // m.num_attention_heads) % 2:
+        errors.append(f"head_dim = hidden_size/num_attention_heads = "
+                      f"{m.hidden_size // m.num_attention_heads} must be even for RoPE")
+    if m.num_attention_heads % m.num_key_value_heads:
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                      f"num_key_value_heads={m.num_key_value_heads}: each kv head serves a "
+                      f"whole group of query heads")
+    if m.num_attention_heads % d.tp_size:
+        errors.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                      f"tp_size={d.tp_size}; pick a tp_size that divides it")
+    if m.num_key_value_heads % d.tp_size:
+        errors.append(f"model.num_key_value_heads={m.num_key_value_heads} is not divisible by "
+                      f"tp_size={d.tp_size}: each TP rank holds whole kv heads (they are not "
+                      f"replicated across ranks); pick a tp_size that divides it")
+    per_rank = -(-m.vocab_size // d.tp_size)          # vocab rows per TP rank, padded
+    if (d.tp_size - 1) * per_rank >= m.vocab_size:
+        errors.append(f"model.vocab_size={m.vocab_size} split over tp_size={d.tp_size} "
+                      f"({per_rank} rows each) leaves the last TP rank no rows; lower tp_size")
+    if d.sequence_parallel and d.tp_size > 1 and t.seq_length % (d.cp_size * d.tp_size):
+        errors.append(f"distributed.sequence_parallel: training.seq_length={t.seq_length} is "
+                      f"not divisible by cp_size*tp_size={d.cp_size * d.tp_size}: each TP rank "
+                      f"holds an equal chunk of its sequence; use a multiple of it")
+    if m.intermediate_size % d.tp_size:
+        errors.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
+                      f"tp_size={d.tp_size}")
+    if m.num_hidden_layers < d.pp_size:
+        errors.append(f"model.num_hidden_layers={m.num_hidden_layers} < pp_size={d.pp_size}: "
+                      f"every pipeline stage needs at least one layer; lower pp_size")
+    errors += pipeline_errors(config)
+    if d.cp_size > 1 and t.seq_length % (2 * d.cp_size):
+        errors.append(f"training.seq_length={t.seq_length} is not divisible by 2*cp_size="
+                      f"{2 * d.cp_size}: the load-balanced causal split gives each cp rank two "
+                      f"equal chunks; use a multiple of {2 * d.cp_size}")
+    if d.cp_mode not in CP_MODES:
+        errors.append(f"distributed.cp_mode='{d.cp_mode}' must be one of {CP_MODES}")
+    elif d.cp_mode == "ulysses" and d.cp_size > 1:
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(m, name)
+            if heads % (d.tp_size * d.cp_size):
+                errors.append(f"distributed.cp_mode='ulysses' splits each rank's heads over cp: "
+                              f"model.{name}={heads} is not divisible by tp_size*cp_size="
+                              f"{d.tp_size}*{d.cp_size}; use cp_mode='ring' or other sizes")
+    if t.seq_length > m.max_position_embeddings:
+        errors.append(f"training.seq_length={t.seq_length} > model.max_position_embeddings="
+                      f"{m.max_position_embeddings}")
+    if m.norm_type not in NORM_TYPES:
+        errors.append(f"model.norm_type='{m.norm_type}' must be one of {NORM_TYPES}")
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        errors.append(f"model.attn_implementation='{m.attn_implementation}' must be one of "
+                      f"{ATTN_IMPLEMENTATIONS}")
+    if t.dtype not in DTYPES:
+        errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
+    for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",
+                 "total_train_steps"):
+        if getattr(t, name) < 1:
+            errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
+    if t.warmup_steps < 0:
+        errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if not 0.0 <= d.offload_optim_frac <= 1.0:
+        errors.append(f"distributed.offload_optim_frac={d.offload_optim_frac} must be in [0, 1]")
+    if d.bucket_size_mb <= 0:
+        errors.append(f"distributed.bucket_size_mb={d.bucket_size_mb} must be > 0")
+    if t.dtype == "float16" and not t.master_weights:
+        errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
+                      "weights cannot absorb small updates, and loss scaling unscales into them")
+    if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
+        errors.append(f"training.initial_loss_scale={t.initial_loss_scale} and "
+                      f"loss_scale_window={t.loss_scale_window} must be >= 1")
+    if m.vocab_size < 2:
+        errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
+    errors += [f"{k}={v} must be >= 0" for k, v in (
+        ("training.val_frequency", t.val_frequency), ("dataset.val_samples",
+         config.dataset.val_samples), ("checkpoint.save_frequency",
+         config.checkpoint.save_frequency), ("checkpoint.keep_last", config.checkpoint.keep_last))
+        if v < 0]
+    if t.val_frequency > 0 and config.dataset.val_samples == 0:
+        errors.append(f"training.val_frequency={t.val_frequency} but dataset.val_samples=0: "
+                      f"set dataset.val_samples to the number of held-out windows")
+    return errors
+
+
+def pipeline_errors(config: Config) -> list:
+    """afab and 1f1b take any number of micro-batches (fewer than pp_size: correct, slow);
+    interleaved sends them round in groups of pp_size through pp_size*v equal layer chunks."""
+    d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
+    pp, v = d.pp_size, d.pp_virtual_stages
+    errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
+    if pp > 1 and config.training.val_frequency:      # validation.py runs the whole model
+        errors.append(f"training.val_frequency={config.training.val_frequency} with pp_size="
+                      f"{pp}: validation through the pipeline is not implemented yet; set it to 0")
+    if v < 1:
+        errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
+    elif pp > 1 and d.pp_engine == "interleaved" and acc % pp:
+        errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps to be "
+                      f"a multiple of pp_size={pp} (at least {pp}), got {acc}")
+    elif pp > 1 and d.pp_engine == "interleaved" and m.num_hidden_layers % (pp * v):
+        errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers={m.num_hidden_layers}"
+                      f" into pp_size*pp_virtual_stages = {pp}*{v} equal chunks, which does not "
+                      f"divide it; change one of the three")
+    return errors

@@ -1,0 +1,153 @@
+"""Hugging Face import (start from released Llama weights) and export (back to transformers).
+
+Our parameter names are Hugging Face Llama names without the `model.` prefix
+(`model.layers.3.mlp.up_proj.weight` <-> `layers.3.mlp.up_proj.weight`; `lm_head.weight` has
+no prefix in either), and the math is the same (RMSNorm in fp32, RoPE on halves, SwiGLU), so
+import and export are renames plus checks. A tied model holds one tensor,
+`embed_tokens.weight`; transformers re-ties `lm_head` to it on load.
+"""
+import glob
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from picotron.shards import CheckpointError, index_shards, load_full_weights, read_slice, \
+    slice_bounds
+
+IGNORED = ("rotary_emb.inv_freq",)     # buffers some old checkpoints carry; recomputed here
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def our_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _weight_files(directory: str) -> list:
+    """The safetensors files of a Hugging Face model directory (single file or sharded)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted({os.path.join(directory, v) for v in json.load(f)["weight_map"]
+                           .values()})
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if files:
+        return files
+    bins = glob.glob(os.path.join(directory, "*.bin"))
+    raise CheckpointError(f"{directory} has no .safetensors weights"
+                          + (" (only PyTorch .bin files: load and re-save them with "
+                             "`save_pretrained(..., safe_serialization=True)`)" if bins else ""))
+
+
+def hf_model_dir(source: str) -> str:
+    """A local directory holding `source`'s weights: itself, or a hub snapshot (downloaded by
+    rank 0 first; the others then find it in the cache)."""
+    if os.path.isdir(source):
+        return source
+    from huggingface_hub import snapshot_download
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    path, error = None, None
+    for turn in (True, False):
+        if first == turn:
+            try:
+                path = snapshot_download(source, allow_patterns=["*.safetensors", "*.json"])
+            except Exception as e:
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if dist.is_initialized():
+            dist.barrier()
+    if error:
+        raise CheckpointError(f"checkpoint.init_from='{source}' is not a local directory and "
+                              f"its weights could not be fetched from the hub ({error}); check "
+                              f"the id and network, set HF_TOKEN for a gated model, or pass a "
+                              f"local directory")
+    return path
+
+
+def load_hf_weights(model, source: str) -> None:
+    """Overwrite the model's parameters with the Hugging Face checkpoint at `source` (a local
+    directory or hub id); each rank reads only its own slice (`local_slice`). Every tensor is
+    checked against the model before any parameter is written."""
+    from picotron.model import Decoder
+    files = _weight_files(hf_model_dir(source))
+    index = {our_name(k): v for k, v in index_shards(files).items()
+             if not k.endswith(IGNORED)}
+    with torch.device("meta"):     # every name of the whole model, whatever this rank holds
+        full = dict(Decoder(model.cfg).named_parameters())
+    problems = [f"'{hf_name(n)}' missing" for n in full if n not in index]
+    problems += [f"'{hf_name(n)}' has shape {index[n][0][2]}, the model wants "
+                 f"{list(p.shape)}" for n, p in full.items()
+                 if n in index and list(index[n][0][2]) != list(p.shape)]
+    tied_head = model.cfg.tie_word_embeddings and "lm_head.weight" in index
+    extra = [hf_name(n) for n in index if n not in full and not (tied_head and n.startswith(
+        "lm_head."))]
+    if extra:
+        problems.append(f"tensors the model lacks: {', '.join(extra[:6])}"
+                        f"{' ...' if len(extra) > 6 else ''}")
+    if problems:
+        raise CheckpointError(
+            f"the Hugging Face weights in '{source}' do not fit model.* of this config: "
+            f"{'; '.join(problems)}. The model section must match the checkpoint's config.json "
+            f"(create the config with --model_name pointing at it, without changing layer or "
+            f"size flags), or set checkpoint.init_from to null to train from scratch")
+    # A pipeline stage's copy of a tied embedding reads the embedding (`tied_name`).
+    values = {n: read_slice(index, getattr(p, "tied_name", n), slice_bounds(p))
+              for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(values[n])
+
+
+def hf_config(model: dict, dtype: str, bos, eos) -> dict:
+    """config.json of the equivalent LlamaForCausalLM (rope_theta written in both the classic
+    and the transformers >= 5 `rope_parameters` form)."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+            "rms_norm_eps", "rope_theta", "tie_word_embeddings", "initializer_range")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **{k: model[k] for k in keys}, "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False, "head_dim": model["hidden_size"] // model["num_attention_heads"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+            "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype, "use_cache": True}
+
+
+def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
+    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` and
+    `AutoTokenizer.from_pretrained(out_dir)` load the checkpoint's model and tokenizer."""
+    from safetensors.torch import save_file
+
+    from picotron.config import config_from_dict
+    from picotron.tokenizer import load_tokenizer, save_byte_tokenizer, tokenizer_source
+    try:
+        with open(os.path.join(checkpoint_dir, "state.json")) as f:
+            config = config_from_dict(json.load(f)["config"])
+    except OSError as e:
+        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint ({e}); give a "
+                              f"step_* directory that holds a state.json") from None
+    m = config.model
+    if m.parallel_residual or m.norm_type != "rmsnorm":
+        raise CheckpointError(
+            f"this checkpoint is a PaLM-style model (parallel_residual={m.parallel_residual}, "
+            f"norm_type={m.norm_type!r}); Llama has sequential residuals and RMSNorm, so no "
+            f"LlamaForCausalLM computes the same function: export refused")
+    weights = load_full_weights(checkpoint_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    source = tokenizer or tokenizer_source(config)
+    if source == "byte":
+        save_byte_tokenizer(out_dir)
+        bos, eos = None, 0
+    else:
+        tok = load_tokenizer(source).tok
+        tok.save_pretrained(out_dir)
+        bos, eos = tok.bos_token_id, tok.eos_token_id
+    dtype = str(next(iter(weights.values())).dtype).replace("torch.", "")
+    save_file({hf_name(n): t.contiguous() for n, t in weights.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(config.to_dict()["model"], dtype, bos, eos), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
+    return out_dir

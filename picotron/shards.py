@@ -1,0 +1,124 @@
+"""Safetensors shard files that any layout can read: each tensor is a slice of a full tensor.
+
+A shard's metadata "layout" maps every tensor name to {"full_shape": [...], "bounds":
+[[start, stop], ...]}: the piece of the full tensor the file holds. A reader indexes all
+shards, then cuts out the slice *it* needs from whichever pieces overlap it, so a checkpoint
+written with tp=2 loads with tp=1 or tp=4 (and a Hugging Face file is the special case of one
+piece covering the whole tensor).
+"""
+import hashlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this run; nothing has been modified."""
+
+
+def slice_bounds(param) -> list:
+    """[[start, stop], ...] per dim of the full tensor that this rank's tensor covers."""
+    full = list(getattr(param, "full_shape", param.shape))
+    bounds = [[0, n] for n in full]
+    for dim, s in enumerate(getattr(param, "local_slice", ())):
+        if isinstance(s, slice):
+            bounds[dim] = [s.start or 0, full[dim] if s.stop is None else s.stop]
+    return bounds
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_shard(path: str, tensors: dict, layout: dict, extra: dict = None) -> str:
+    """Write one safetensors file with its layout (and `extra` JSON metadata); its sha256."""
+    meta = {"layout": json.dumps(layout), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path, meta)
+    return sha256(path)
+
+
+def _open(path: str):
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:       # truncated file, garbage header, not safetensors at all
+        raise CheckpointError(f"{path} is not a readable safetensors file ({type(e).__name__}: "
+                              f"{e}); the checkpoint is corrupt: resume from another one"
+                              ) from None
+
+
+def index_shards(paths: list, checksums: dict = None) -> dict:
+    """{name: [(path, bounds, full_shape, key in the file), ...]} over the given shard files.
+
+    checksums {file name: sha256} (from state.json) are verified first. A file without a
+    "layout" (Hugging Face's) holds whole tensors."""
+    index = {}
+    for path in paths:
+        expected = (checksums or {}).get(os.path.basename(path))
+        if expected is not None and sha256(path) != expected:
+            raise CheckpointError(f"{path} does not match the checksum recorded when it was "
+                                  f"written: the file is corrupt; resume from another "
+                                  f"checkpoint")
+        with _open(path) as f:
+            meta = f.metadata() or {}
+            layout = json.loads(meta["layout"]) if "layout" in meta else None
+            for name in f.keys():
+                if layout is not None:
+                    spec = layout[name]
+                    full, bounds = spec["full_shape"], spec["bounds"]
+                else:
+                    full = list(f.get_slice(name).get_shape())
+                    bounds = [[0, n] for n in full]
+                index.setdefault(name, []).append((path, bounds, full, name))
+    return index
+
+
+def shard_metadata(path: str, key: str):
+    """One JSON value of a shard's metadata (None when absent)."""
+    with _open(path) as f:
+        value = (f.metadata() or {}).get(key)
+    return None if value is None else json.loads(value)
+
+
+def read_slice(index: dict, name: str, bounds: list, dtype=None) -> torch.Tensor:
+    """The part [bounds] of full tensor `name`, assembled from every overlapping piece."""
+    shape = [b - a for a, b in bounds]
+    numel = int(torch.Size(shape).numel())
+    out, covered = None, 0
+    for path, piece, _, key in index[name]:
+        lo = [max(a, p) for (a, _), (p, _) in zip(bounds, piece)]
+        hi = [min(b, q) for (_, b), (_, q) in zip(bounds, piece)]
+        if any(l >= h for l, h in zip(lo, hi)):
+            continue                                          # no overlap
+        with _open(path) as f:
+            try:
+                part = f.get_slice(key)[tuple(slice(l - p, h - p) for l, h, (p, _)
+                                               in zip(lo, hi, piece))]
+            except Exception as e:
+                raise CheckpointError(f"{path}: reading '{name}' failed ({type(e).__name__}: "
+                                      f"{e}); the file is corrupt") from None
+        if out is None:
+            out = torch.empty(shape, dtype=dtype or part.dtype)
+        out[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, bounds))] = part
+        covered += part.numel()
+    if covered != numel:
+        raise CheckpointError(f"the shards cover {covered} of the {numel} values of '{name}' "
+                              f"this rank needs; the checkpoint is incomplete")
+    return out
+
+
+def load_full_weights(directory: str) -> dict:
+    """{name: full tensor} assembled from every weight shard in `directory`."""
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                   if f.startswith("weights-") and f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no weights-*.safetensors files in checkpoint {directory}")
+    index = index_shards(files)
+    return {name: read_slice(index, name, [[0, n] for n in pieces[0][2]])
+            for name, pieces in index.items()}

@@ -1,0 +1,126 @@
+"""Tokenizers: any Hugging Face tokenizer (hub id or local path), or the built-in byte-level one.
+
+`dataset.tokenizer` picks one: "byte" is byte-level (token id = byte value, vocab 256, byte 0
+ends a document, as the embedded corpus does); a hub id or a directory loads that Hugging Face
+tokenizer; None means "the model's": the tokenizer next to `checkpoint.init_from` or
+`model.name` when that is a Hugging Face model, else byte-level for a preset of vocab <= 256.
+
+The byte-level tokenizer can also be written as a Hugging Face tokenizer (a BPE with the 256
+byte symbols and no merges), so an exported model loads with `AutoTokenizer` and encodes text
+to exactly the ids it was trained on.
+"""
+import os
+
+from picotron.data import DataError
+
+
+class TokenizerError(DataError):
+    """A tokenizer that cannot be loaded or does not fit the model."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids. EOS is byte 0, which plain text never contains."""
+    eos_token_id = 0
+    vocab_size = 256
+    name = "byte"
+
+    def encode(self, text: str) -> list:
+        return list(text.encode("utf-8"))
+
+    def batch_encode(self, texts) -> list:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) != self.eos_token_id).decode("utf-8",
+                                                                                 "replace")
+
+
+class HFTokenizer:
+    """A thin wrapper so that byte-level and Hugging Face tokenizers answer the same calls."""
+
+    def __init__(self, name: str, hf_tokenizer):
+        self.name, self.tok = name, hf_tokenizer
+        self.eos_token_id = hf_tokenizer.eos_token_id
+        self.vocab_size = len(hf_tokenizer)   # includes added tokens
+        if self.eos_token_id is None:
+            raise TokenizerError(f"tokenizer '{name}' has no EOS token, which goes between "
+                                 f"documents; pick a tokenizer that defines eos_token")
+
+    def encode(self, text: str) -> list:
+        # No BOS/EOS from the tokenizer: packing puts exactly one EOS after each document.
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def batch_encode(self, texts) -> list:
+        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def fingerprint(self) -> str:
+        """Changes whenever the vocabulary or the rules change (keys the token cache)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else repr(sorted(self.tok.get_vocab()))
+
+
+def tokenizer_source(config):
+    """The name or path of the tokenizer this run uses, or "byte"."""
+    if config.dataset.tokenizer:
+        return config.dataset.tokenizer
+    from picotron.presets import presets
+    for candidate in (config.checkpoint.init_from, config.model.name):
+        if not candidate:
+            continue
+        preset = presets().get(candidate)
+        if preset is None:                      # a local directory or a hub id
+            return candidate
+        if preset.get("hub_id"):                # a preset mirroring a hub model
+            return preset["hub_id"]
+    if config.model.vocab_size <= 256:
+        return "byte"
+    raise TokenizerError(f"model '{config.model.name}' has no tokenizer of its own; set "
+                         f"dataset.tokenizer to a Hugging Face tokenizer id or path, or 'byte'")
+
+
+def load_tokenizer(source: str):
+    """ByteTokenizer for "byte", else the Hugging Face tokenizer at `source` (path or hub id)."""
+    if source == "byte":
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer
+        return HFTokenizer(source, AutoTokenizer.from_pretrained(source))
+    except TokenizerError:
+        raise
+    except Exception as e:   # missing path, offline hub, not a tokenizer directory
+        where = "the local path" if os.path.exists(source) else "the Hugging Face hub id"
+        raise TokenizerError(f"could not load a tokenizer from {where} '{source}' "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''});"
+                             f" set dataset.tokenizer to a tokenizer id or directory, or 'byte'"
+                             ) from None
+
+
+def byte_symbols() -> list:
+    """The printable character that stands for each byte value in byte-level BPE vocabularies
+    (GPT-2's convention): printable Latin-1 bytes stand for themselves, the other 68 bytes are
+    given the code points 256, 257, ... in byte order. Index b -> symbol of byte b."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE,
+                                                                                           256))
+    symbols, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(256 + extra))
+            extra += 1
+    return symbols
+
+
+def save_byte_tokenizer(out_dir: str) -> None:
+    """Write ByteTokenizer as a Hugging Face tokenizer: BPE over the 256 byte symbols with no
+    merges, so every byte is one token and its id is the byte value; EOS is byte 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    symbols = byte_symbols()
+    tok = Tokenizer(models.BPE(vocab={s: b for b, s in enumerate(symbols)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=symbols[0]).save_pretrained(out_dir)

@@ -1,0 +1,158 @@
+"""Data: every local format loads to the same stream, DP ranks split each epoch exactly
+(on gloo, tokenized once), the order is fixed by the seed, and a resume continues it."""
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import ROOT, free_port, write_config
+from tiny import documents, tiny_tokenizer, write_formats
+from picotron.config import Config
+from picotron.data import (DataError, build_data, build_train_val, check_data_state,
+                           data_state, micro_batch)
+
+SEQ = 32
+
+
+def config_for(name: str, **training) -> Config:
+    c = Config()
+    c.dataset.name, c.training.seq_length = name, SEQ
+    for k, v in training.items():
+        setattr(c.training, k, v)
+    return c
+
+
+def step_windows(data, config, step: int) -> list:
+    """Every window of a step's global batch, in global-index order (one process, dp=1)."""
+    out = []
+    for micro in range(config.training.gradient_accumulation_steps):
+        x, y = micro_batch(data, step, micro, config, 0)
+        out += torch.cat([x, y[:, -1:]], dim=1).tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_formats(documents(40), str(tmp_path_factory.mktemp("formats")))
+
+
+def test_every_local_format_loads_the_same_stream_with_eos_between_documents(files):
+    docs = documents(40)
+    expected = torch.tensor([b for d in docs for b in list(d.encode()) + [0]])   # byte EOS 0
+    for fmt in ("txt", "jsonl", "json", "parquet", "arrow", "saved", "folder"):
+        data = build_data(config_for(files[fmt]))
+        assert torch.equal(data.tokens.long(), expected), fmt
+        assert data.num_windows == len(expected) // (SEQ + 1)
+
+
+def test_hf_tokenizer_puts_its_eos_after_each_document(files, tmp_path):
+    from transformers import AutoTokenizer
+    docs = documents(40)
+    path = tiny_tokenizer(str(tmp_path / "tok"), docs)
+    c = config_for(files["jsonl"])
+    c.dataset.tokenizer, c.model.vocab_size = path, 300
+    tok = AutoTokenizer.from_pretrained(path)
+    expected = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] +
+                [tok.eos_token_id]]
+    assert build_data(c).tokens.tolist() == expected
+    c.model.vocab_size = len(tok) - 1
+    with pytest.raises(DataError, match=f"model.vocab_size={len(tok) - 1}"):
+        build_data(c)
+
+
+def test_validation_is_held_out_or_read_from_its_split(files):
+    c = config_for(files["jsonl"])
+    c.dataset.val_samples = 3
+    train, val = build_train_val(c)
+    n = train.num_windows
+    held = {tuple(val.window(i).tolist()) for i in range(3)}
+    seen = {tuple(train.window(i).tolist()) for i in range(n)}
+    assert len(held) == 3 and not held & seen                 # carved off, never trained on
+    assert n + 3 == len(train.tokens) // (SEQ + 1)
+    c = config_for(files["folder"])
+    c.dataset.val_split, c.dataset.val_samples = "validation", 2
+    train, val = build_train_val(c)
+    first_docs = torch.tensor([b for d in documents(4) for b in list(d.encode()) + [0]])
+    assert torch.equal(val.window(0), first_docs[:SEQ + 1].long())
+
+
+def test_bad_dataset_settings_name_the_problem(files, tmp_path):
+    with pytest.raises(DataError, match="nothing exists there"):
+        build_data(config_for(str(tmp_path / "missing.jsonl")))
+    c = config_for(files["jsonl"])
+    c.dataset.text_column = "body"
+    with pytest.raises(DataError, match=r"no column 'body'.*\['text', 'id'\]"):
+        build_data(c)
+    c = config_for(files["folder"])
+    c.dataset.split = "test"
+    with pytest.raises(DataError, match=r"no split 'test'.*'train', 'validation'"):
+        build_data(c)
+    c = config_for(files["jsonl"])
+    c.dataset.val_samples = 10_000
+    with pytest.raises(DataError, match="val_samples=10000"):
+        build_train_val(c)
+
+
+def test_the_seed_fixes_the_order_and_each_epoch_reshuffles(files):
+    a, b = build_data(config_for(files["jsonl"])), build_data(config_for(files["jsonl"]))
+    n = a.num_windows
+    order = [a.window(i).tolist() for i in range(2 * n)]
+    assert order == [b.window(i).tolist() for i in range(2 * n)]
+    assert order[:n] != order[n:] and sorted(order[:n]) == sorted(order[n:])
+    other = build_data(config_for(files["jsonl"], seed=7))
+    assert [other.window(i).tolist() for i in range(n)] != order[:n]
+
+
+def test_resume_from_a_saved_data_position_yields_the_next_windows(files):
+    c = config_for(files["jsonl"], micro_batch_size=3, gradient_accumulation_steps=2)
+    data = build_data(c)                           # G = 6 does not divide the epoch: the
+    steps = 2 * data.num_windows // 6 + 1          # boundary falls inside a step
+    straight = [step_windows(data, c, s) for s in range(steps)]
+    stop = steps // 2
+    state = json.loads(json.dumps(data_state(c, stop, data)))      # as stored in state.json
+    fresh = build_data(c)                                          # a new process
+    check_data_state(state, c, stop, fresh)
+    assert [step_windows(fresh, c, s) for s in range(stop, steps)] == straight[stop:]
+    c.training.micro_batch_size = 2
+    with pytest.raises(DataError, match="global batch"):
+        check_data_state(state, c, stop, fresh)
+
+
+def test_dp2_on_gloo_splits_each_epoch_exactly_and_tokenizes_once(tmp_path):
+    """40 documents of 32 bytes: with EOS each is one window, so windows are documents."""
+    docs = documents(40, length=SEQ)
+    os.makedirs(tmp_path / "src")
+    src = str(tmp_path / "src" / "docs.jsonl")
+    with open(src, "w") as f:
+        f.write("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    path = write_config(tmp_path, "dp2", ["--dp", "2", "--mbs", "2", "--grad_acc_steps", "2",
+                                          "--seq_len", str(SEQ), "--dataset_name", src])
+    steps = 10                                      # G = 8: two epochs of 5 steps
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", "--master_port", str(free_port()),
+                           os.path.join(ROOT, "tests", "data_worker.py"), path, str(steps),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("tokenized 40 documents") == 1
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    windows = {bytes(w[:-1]).decode(): None for w in ranks[0]["steps"][0]}   # sanity: docs
+    assert set(windows) <= set(docs)
+    for epoch in range(2):
+        seen = collections.Counter()
+        for r in ranks:
+            for s in range(5 * epoch, 5 * epoch + 5):
+                seen.update(bytes(w[:-1]).decode() for w in r["steps"][s])
+        assert seen == collections.Counter(docs), epoch        # each once, none duplicated
+    # The same global batches as one process with the same global batch size (dp=1).
+    ref = config_for(src, micro_batch_size=2, gradient_accumulation_steps=4)
+    ref_data = build_data(ref)
+    for s in range(steps):
+        both = ranks[0]["steps"][s] + ranks[1]["steps"][s]
+        assert sorted(both) == sorted(step_windows(ref_data, ref, s)), s
+        assert not {tuple(w) for w in ranks[0]["steps"][s]} & {tuple(w) for w in
+                                                               ranks[1]["steps"][s]}
