@@ -105,11 +105,12 @@ MODELS = {
     "llama_untied": ["--num_hidden_layers", "8"],
 }
 ACCUM = 4      # micro-batches per step in the references: >= pp for every case below
-CASES = [      # (model, pp, engine, dp, tp); dp 2 halves the micro-batches: same global batch
-    ("llama_tied", 2, "afab", 1, 1), ("palm_untied", 4, "afab", 1, 1),
-    ("palm_tied", 2, "1f1b", 1, 1), ("llama_untied", 4, "1f1b", 1, 1),
-    ("llama_untied", 2, "interleaved", 2, 1), ("palm_tied", 4, "interleaved", 1, 1),
-    ("llama_tied", 2, "interleaved", 1, 2),     # with tensor + sequence parallelism
+CASES = [      # (model, pp, engine, dp, tp, cp); dp 2 halves the micro-batches: same batch
+    ("llama_tied", 2, "afab", 1, 1, 1), ("palm_untied", 4, "afab", 1, 1, 1),
+    ("palm_tied", 2, "1f1b", 1, 1, 1), ("llama_untied", 4, "1f1b", 1, 1, 1),
+    ("llama_untied", 2, "interleaved", 2, 1, 1), ("palm_tied", 4, "interleaved", 1, 1, 1),
+    ("llama_tied", 2, "interleaved", 1, 2, 1),     # with tensor + sequence parallelism
+    ("palm_tied", 2, "1f1b", 1, 1, 2),             # with context parallelism (ring)
 ]
 
 
@@ -127,14 +128,14 @@ def references(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("model, pp, engine, dp, tp", CASES)
-def test_pipeline_matches_one_process(tmp_path, references, model, pp, engine, dp, tp):
+@pytest.mark.parametrize("model, pp, engine, dp, tp, cp", CASES)
+def test_pipeline_matches_one_process(tmp_path, references, model, pp, engine, dp, tp, cp):
     ref = references(model)
     cfg = write_config(tmp_path, "pp", TINY + MODELS[model] + [
-        "--pp", str(pp), "--pp_engine", engine, "--dp", str(dp), "--tp", str(tp),
+        "--pp", str(pp), "--pp_engine", engine, "--dp", str(dp), "--tp", str(tp), "--cp", str(cp),
         "--set", f"distributed.sequence_parallel={json.dumps(tp > 1)}",
         "--grad_acc_steps", str(ACCUM // dp)])
-    launch(cfg, pp * dp * tp)
+    launch(cfg, pp * dp * tp * cp)
     ours, theirs = read_metrics(cfg), read_metrics(ref)
     assert [r["step"] for r in ours] == [1, 2, 3, 4, 5]
     for a, b in zip(ours, theirs):
