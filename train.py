@@ -5,6 +5,7 @@ parallelism, weights), then the training loop. `python train.py --config ...` al
 one process without torchrun.
 """
 import argparse
+import datetime
 import os
 import resource
 import sys
@@ -20,6 +21,8 @@ from picotron.data import DataError, build_train_val, data_state, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.hf_io import load_hf_weights
 from picotron.model import Decoder, materialize, resolve_attention
+from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
+                                        pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
 from picotron.tensor_parallel import apply_tensor_parallel, loss_function
 from picotron.utils import (MetricsLog, count_params, flops_per_token, format_step, lr_at,
@@ -43,18 +46,15 @@ def setup(config_path):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+    # A rank blocked longer than timeout_s (e.g. receiving from a stage that died) fails.
+    timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
     if "RANK" in os.environ:      # launched by torchrun: rendezvous through its variables
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     else:                         # plain `python train.py`: a one-process group in memory
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
-    not_yet = [f"{axis}={getattr(d, axis)}" for axis in ("pp_size",)
-               if getattr(d, axis) > 1]
-    if not_yet:     # refused up front rather than trained wrongly
-        raise ConfigError(f"{', '.join(not_yet)}: this parallel axis is not implemented yet; "
-                          f"set it to 1")
-    pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size)
+    pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size, timeout=timeout)
     return config, pgm, device
 
 
@@ -70,6 +70,7 @@ def build_model(config, pgm, device):
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
     # context parallel (swap the attention function for ring attention).
     model = apply_tensor_parallel(model, pgm, config)
+    model = apply_pipeline_parallel(model, pgm, config)
     model = apply_context_parallel(model, pgm, config)
     model = materialize(model, config.training.seed, device, dtype,
                         config.model.initializer_range)
@@ -84,6 +85,9 @@ def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scal
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
     those of the mean loss over the global batch. Only the last micro-batch's backward starts
     the gradient reductions (`grads.sync`); `loss_scale` is 1 except with fp16."""
+    if pgm.pp_size > 1:     # the schedule runs the micro-batches (same loss scaling)
+        return pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device,
+                                   loss_scale)
     accum = config.training.gradient_accumulation_steps
     total = torch.zeros((), device=device)
     for micro in range(accum):
@@ -129,6 +133,8 @@ def main(argv=None):
               f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
               f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
               f"tokens/step; dtype {t.dtype}; run dir {run_dir}", flush=True)
+        if d.pp_size > 1:
+            print(describe_split(config), flush=True)
 
     # ---- build --------------------------------------------------------------------------
     model = build_model(config, pgm, device)

@@ -41,8 +41,9 @@ def _owned(model, pgm):
     """(name, param) pairs this rank writes: distinct pieces only (see the module doc)."""
     if pgm.dp_rank != 0 or pgm.cp_rank != 0:
         return []
-    return [(n, p) for n, p in model.named_parameters()
-            if hasattr(p, "local_slice") or pgm.tp_rank == 0]
+    return [(n, p) for n, p in model.named_parameters()         # a pipeline copy of a tied
+            if (hasattr(p, "local_slice") or pgm.tp_rank == 0)    # weight (`tied_name`) is
+            and not hasattr(p, "tied_name")]                      # saved once, by stage 0
 
 
 def _write_model_shards(model, opt_state, pgm, tmp: str) -> dict:
@@ -209,7 +210,8 @@ def load_checkpoint(directory: str, model, optimizer, pgm, config, check=None) -
         check(state)
     shards = lambda kind: sorted(glob.glob(os.path.join(directory, f"{kind}-*.safetensors")))
     index = index_shards(shards("weights"), state["sha256"])
-    params = list(model.named_parameters())
+    # A pipeline copy of a tied weight loads (weights and moments) under the original's name.
+    params = [(getattr(p, "tied_name", n), p) for n, p in model.named_parameters()]
     wrong = [f"'{n}' (model {list(getattr(p, 'full_shape', p.shape))}, checkpoint "
              f"{index[n][0][2] if n in index else 'missing'})" for n, p in params
              if n not in index or list(index[n][0][2]) != list(getattr(p, "full_shape",

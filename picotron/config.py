@@ -25,11 +25,13 @@ class DistributedConfig:
     cp_size: int = 1            # context parallel: shards of every sequence (ring attention)
     cp_mode: str = "ring"       # ring: K/V pass around the ring | ulysses: all-to-all over heads
     pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
+    pp_virtual_stages: int = 2  # interleaved only: model chunks per pp rank (Megatron's v)
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
     bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
     offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
     sequence_parallel: bool = False  # with tp: shard norms/residuals along T (Korthikanti 22)
+    timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run
 
 
 @dataclass

@@ -61,6 +61,7 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if m.num_hidden_layers < d.pp_size:
         errors.append(f"model.num_hidden_layers={m.num_hidden_layers} < pp_size={d.pp_size}: "
                       f"every pipeline stage needs at least one layer; lower pp_size")
+    errors += pipeline_errors(config)
     if d.cp_size > 1 and t.seq_length % (2 * d.cp_size):
         errors.append(f"training.seq_length={t.seq_length} is not divisible by 2*cp_size="
                       f"{2 * d.cp_size}: the load-balanced causal split gives each cp rank two "
@@ -110,4 +111,25 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if t.val_frequency > 0 and config.dataset.val_samples == 0:
         errors.append(f"training.val_frequency={t.val_frequency} but dataset.val_samples=0: "
                       f"set dataset.val_samples to the number of held-out windows")
+    return errors
+
+
+def pipeline_errors(config: Config) -> list:
+    """afab and 1f1b take any number of micro-batches (fewer than pp_size: correct, slow);
+    interleaved sends them round in groups of pp_size through pp_size*v equal layer chunks."""
+    d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
+    pp, v = d.pp_size, d.pp_virtual_stages
+    errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
+    if pp > 1 and config.training.val_frequency:      # validation.py runs the whole model
+        errors.append(f"training.val_frequency={config.training.val_frequency} with pp_size="
+                      f"{pp}: validation through the pipeline is not implemented yet; set it to 0")
+    if v < 1:
+        errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
+    elif pp > 1 and d.pp_engine == "interleaved" and acc % pp:
+        errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps to be "
+                      f"a multiple of pp_size={pp} (at least {pp}), got {acc}")
+    elif pp > 1 and d.pp_engine == "interleaved" and m.num_hidden_layers % (pp * v):
+        errors.append(f"pp_engine=interleaved cuts model.num_hidden_layers={m.num_hidden_layers}"
+                      f" into pp_size*pp_virtual_stages = {pp}*{v} equal chunks, which does not "
+                      f"divide it; change one of the three")
     return errors

@@ -93,7 +93,9 @@ def load_hf_weights(model, source: str) -> None:
             f"{'; '.join(problems)}. The model section must match the checkpoint's config.json "
             f"(create the config with --model_name pointing at it, without changing layer or "
             f"size flags), or set checkpoint.init_from to null to train from scratch")
-    values = {n: read_slice(index, n, slice_bounds(p)) for n, p in model.named_parameters()}
+    # A pipeline stage's copy of a tied embedding reads the embedding (`tied_name`).
+    values = {n: read_slice(index, getattr(p, "tied_name", n), slice_bounds(p))
+              for n, p in model.named_parameters()}
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(values[n])

@@ -177,15 +177,21 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:     # one weight; named once, as "embed_tokens.weight"
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, x, position_ids=None):
-        if self.embed_tokens is not None:
+    def forward(self, x, position_ids=None, layers=None):
+        """`layers`: keys of the layers to run, default all held here. A pipeline rank holding
+        several chunks (interleaved schedule) runs one per call: token ids go through the
+        embedding, hidden states do not; the norm and head run after the model's last layer."""
+        keys = list(self.layers) if layers is None else layers
+        if self.embed_tokens is not None and not torch.is_floating_point(x):
             x = self.embed_tokens(x)                                       # (B, T, C)
         B, T, _ = x.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=x.device).expand(B, T)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, x.dtype)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin, position_ids)
+        for key in keys:
+            x = self.layers[key](x, cos, sin, position_ids)
+        if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
+            return x
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:
@@ -217,13 +223,15 @@ def materialize(model: nn.Module, seed: int, device, dtype, std: float = 0.02) -
 
     A parameter that holds a slice of a larger tensor (tensor parallelism) carries
     `param.full_shape` and `param.local_slice` (a tuple of slices): the full tensor is drawn,
-    this rank keeps its slice, and the rest is freed before the next parameter."""
+    this rank keeps its slice, and the rest is freed before the next parameter. A parameter
+    that carries `tied_name` (the last pipeline stage's copy of a tied embedding) is drawn
+    under that name, so it starts equal to the original."""
     new = {}
     for name, p in model.named_parameters():            # tied weights appear once
         module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         full_shape = getattr(p, "full_shape", p.shape)
-        value = init_full_tensor(name, full_shape, isinstance(module, tuple(NORMS.values())),
-                                 seed, std)
+        value = init_full_tensor(getattr(p, "tied_name", name), full_shape,
+                                 isinstance(module, tuple(NORMS.values())), seed, std)
         value = value[getattr(p, "local_slice", ())]
         param = nn.Parameter(value.to(device=device, dtype=dtype))
         param.__dict__.update(vars(p))       # what parallelism marked on it: slices, groups

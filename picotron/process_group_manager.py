@@ -56,7 +56,7 @@ class ProcessGroupManager:
     `<axis>_group_ranks` (the members, in global ranks), for axis in dp, pp, cp, tp and the
     combined cp_dp (gradients are averaged over it: both axes see different tokens)."""
 
-    def __init__(self, dp: int, pp: int, cp: int, tp: int, rank: int = None):
+    def __init__(self, dp: int, pp: int, cp: int, tp: int, rank: int = None, timeout=None):
         world = dp * pp * cp * tp
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -73,7 +73,8 @@ class ProcessGroupManager:
             mine = None
             for ranks in group_ranks(axes, dp, pp, cp, tp):
                 # new_group is collective: every rank creates every group, in the same order.
-                group = dist.new_group(ranks) if dist.is_initialized() else None
+                # Its timeout does not follow init_process_group's: pass it (None: torch's).
+                group = dist.new_group(ranks, timeout=timeout) if dist.is_initialized() else None
                 if rank in ranks:
                     mine = (group, ranks)
             setattr(self, f"{name}_group", mine[0])

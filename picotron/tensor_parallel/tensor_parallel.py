@@ -112,7 +112,7 @@ def _full_positions(model, args, kwargs, tp_size):
     x = args[0]
     if kwargs.get("position_ids") is None and len(args) < 2:
         # token ids (B, T) on the first stage, hidden (B, T/tp, C) on a later pipeline stage
-        T = x.shape[1] if model.embed_tokens is not None else x.shape[1] * tp_size
+        T = x.shape[1] if not torch.is_floating_point(x) else x.shape[1] * tp_size
         kwargs["position_ids"] = torch.arange(T, device=x.device).expand(x.shape[0], T)
     return args, kwargs
 
