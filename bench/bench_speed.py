@@ -1,0 +1,270 @@
+"""Issue 9's benchmark: picotron's train.py path against Hugging Face loops, in one call.
+
+    python bench/bench_speed.py [--shapes SmolLM-360M,SmolLM-1.7B] [--mbs_search] [--out DIR]
+
+For each shape, seq 2048, micro-batch 16, bf16 parameters, fused AdamW, no accumulation,
+synthetic tokens (the same windows for every run), it times:
+- ours: train.py's own build_model / GradBuckets / DistributedAdamW / loss_function /
+  train_step, as its loop calls them, with the fast options of each row;
+- hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
+  (fused, bf16 moments on bf16 parameters);
+- hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
+  linear cross-entropy).
+tokens/s is the median over the timed steps (after warm-up), MFU = tokens/s x (6N + 12*L*C*T)
+/ 989.5e12 (picotron/utils.py), peak memory is torch's max_memory_allocated. With
+--mbs_search, the largest micro-batch that fits (doubling from 16) for the fastest rows, with
+and without full checkpointing. The table goes to stdout and DIR/bench_speed.txt.
+"""
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train  # noqa: E402
+from picotron.config import config_from_dict  # noqa: E402
+from picotron.data import SyntheticData  # noqa: E402
+from picotron.data_parallel import DistributedAdamW, GradBuckets  # noqa: E402
+from picotron.model import materialize  # noqa: E402
+from picotron.presets import resolve_model  # noqa: E402
+from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
+from picotron.tensor_parallel import loss_function  # noqa: E402
+from picotron.utils import count_params, flops_per_token  # noqa: E402
+
+PEAK = 989.5e12
+# label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
+OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
+        "ours liger": (False, "liger", "liger", False, "none", "sdpa"),
+        "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
+        "ours liger+cudnn": (False, "liger", "liger", False, "none", "sdpa_cudnn"),
+        "ours liger+cudnn fp32-master": (True, "liger", "liger", False, "none", "sdpa_cudnn"),
+        "ours liger+cudnn full-ckpt": (False, "liger", "liger", False, "full", "sdpa_cudnn"),
+        "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
+        "ours compile+liger-loss+cudnn": (False, "torch", "liger", True, "none", "sdpa_cudnn")}
+_weights = {}        # shape -> state dict on the GPU: materialize draws on the CPU (slow)
+
+
+def cached_materialize(model, seed, device, dtype, std=0.02):
+    """train.build_model's materialize, drawn once per shape and copied afterwards: the
+    same weights, without 30 s of CPU sampling per 1.7B variant."""
+    key = (model.cfg.name, dtype)
+    if key not in _weights:
+        materialize(model, seed, device, dtype, std)
+        _weights[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model
+    model.to_empty(device=device).to(dtype)
+    model.load_state_dict(_weights[key])
+    return model
+
+
+def base_config(shape, mbs, seq):
+    return {"model": resolve_model(shape),
+            "training": {"micro_batch_size": mbs, "seq_length": seq, "dtype": "bfloat16",
+                         "use_fused_adam": True, "total_train_steps": 1000, "warmup_steps": 1},
+            "dataset": {"name": "synthetic"}}
+
+
+def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn):
+    raw = base_config(shape, mbs, seq)
+    raw["model"].update(kernels=kernels, attn_implementation=attn)
+    raw["training"].update(master_weights=master, fused_loss=fused_loss, compile=compile_,
+                           activation_checkpointing=ckpt)
+    config = config_from_dict(raw, world_size=1)
+    pgm, device = ProcessGroupManager(1, 1, 1, 1), torch.device("cuda")
+    model = train.build_model(config, pgm, device)
+    grads = GradBuckets(model, pgm, config)
+    optimizer = DistributedAdamW(grads, pgm, config)
+    loss_fn = loss_function(pgm, config, model)
+    data = SyntheticData(seq, config.model.vocab_size, 42)
+
+    def step(i):        # the body of train.py's loop
+        loss = train.train_step(model, loss_fn, grads, data, i, config, pgm, device, 1.0)
+        grads.finish()
+        optimizer.step(3e-4)
+        grads.zero_grad()
+        return loss.item()
+    return step, config.model
+
+
+_HF_ORIGINALS = {}
+
+
+def hf_runner(shape, mbs, seq, liger, ckpt):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama as ml
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    if not _HF_ORIGINALS:
+        _HF_ORIGINALS.update({n: getattr(ml, n) for n in names},
+                             forward=ml.LlamaForCausalLM.forward)
+    for n in names:     # liger patches the module for every model built later: undo first
+        setattr(ml, n, _HF_ORIGINALS[n])
+    ml.LlamaForCausalLM.forward = _HF_ORIGINALS["forward"]
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    m = resolve_model(shape)
+    cfg = LlamaConfig(**{k: v for k, v in m.items() if k != "name"},
+                      attn_implementation="sdpa", use_cache=False)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if ckpt:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=True)
+    data = SyntheticData(seq, m["vocab_size"], 42)
+
+    def step(i):
+        w = torch.stack([data.window(i * mbs + b) for b in range(mbs)]).cuda()
+        # HF shifts the labels itself: labels = inputs, T-1 predictions per sequence
+        loss = model(input_ids=w[:, :-1], labels=w[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step, None
+
+
+def measure(make, warmup, steps, mbs, seq):
+    """(tokens/s median, peak GB, last loss), or a string naming the error."""
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        step, _ = make()
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            loss = step(i)                      # .item() waits for the device
+            times.append(time.perf_counter() - start)
+        result = (mbs * seq / statistics.median(times[warmup:]),
+                  torch.cuda.max_memory_allocated() / 2 ** 30, loss)
+    except torch.OutOfMemoryError:
+        result = "OOM"
+    except Exception as e:      # one broken row must not end the call
+        result = f"ERROR {type(e).__name__}: {str(e)[:200]}"
+    step = None                 # free the model, its gradients and optimizer state
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return result
+
+
+def largest_mbs(make_at, seq, limit):
+    """Doubling from 16: the largest micro-batch whose two steps run without OOM."""
+    best, mbs = None, 16
+    while mbs <= limit:
+        r = measure(lambda: make_at(mbs), 1, 1, mbs, seq)
+        if isinstance(r, str):
+            break
+        best, mbs = mbs, mbs * 2
+    return best
+
+
+def attention_backends(emit, shape, mbs, seq):
+    """Forward + backward time of one layer's SDPA call under each backend, (B, H, T, D) bf16,
+    causal: which kernel `model.attn_implementation="sdpa"` should prefer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    m = resolve_model(shape)
+    H, K = m["num_attention_heads"], m["num_key_value_heads"]
+    D = m["hidden_size"] // H
+    q = torch.randn(mbs, H, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(mbs, K, seq, D, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    flops = 4 * mbs * H * seq * seq * D * 3.5 / 2     # fwd 2 matmuls, bwd 5; causal half
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in ((True, False) if H != K else (False,)):
+            try:
+                def f():
+                    kk, vv = (k, v) if gqa or H == K else (k.repeat_interleave(H // K, 1),
+                                                           v.repeat_interleave(H // K, 1))
+                    with sdpa_kernel(backend):
+                        out = torch.nn.functional.scaled_dot_product_attention(
+                            q, kk, vv, is_causal=True, enable_gqa=gqa and H != K)
+                    out.backward(torch.ones_like(out))
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(10):
+                    f()
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) / 10 * 1e3
+                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} {ms:7.2f} ms fwd+bwd per layer"
+                     f" ({flops / ms / 1e9:.0f} TFLOP/s causal)")
+            except Exception as e:
+                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} unavailable: "
+                     f"{type(e).__name__}: {str(e)[:80]}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
+    p.add_argument("--mbs", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rows", default="", help="comma-separated labels to time (default all)")
+    p.add_argument("--mbs_search", default="", help="comma-separated labels: largest mbs")
+    p.add_argument("--mbs_limit", type=int, default=128)
+    p.add_argument("--attn_backends", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    train.materialize = cached_materialize
+    torch._dynamo.config.cache_size_limit = 64
+    lines = [f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, seq {args.seq}, "
+             f"mbs {args.mbs}, bf16 params, fused AdamW"]
+
+    def emit(text):
+        print(text, flush=True)
+        lines.append(text)
+    for shape in args.shapes.split(","):
+        mcfg = config_from_dict(base_config(shape, args.mbs, args.seq)).model
+        fpt = flops_per_token(mcfg, args.seq)
+        emit(f"\n== {shape}: N = {count_params(mcfg) / 1e6:.1f}M, {fpt / 1e9:.3f} GFLOP/token")
+        if args.attn_backends:
+            attention_backends(emit, shape, args.mbs, args.seq)
+        rows = {}
+
+        def runner(label, mbs, ckpt=None):
+            if label.startswith("ours"):
+                o = OURS[label]
+                return lambda: ours_runner(shape, mbs, args.seq, *o[:4], ckpt or o[4], o[5])
+            return lambda: hf_runner(shape, mbs, args.seq, label == "hf+liger", ckpt == "full")
+        for label in list(OURS) + ["hf", "hf+liger"]:
+            if args.rows and label not in args.rows.split(","):
+                continue
+            t0 = time.perf_counter()
+            r = measure(runner(label, args.mbs), args.warmup, args.steps, args.mbs, args.seq)
+            if isinstance(r, str):
+                emit(f"{label:38s} {r}")
+                continue
+            rows[label] = r
+            emit(f"{label:38s} {r[0]:>9,.0f} tok/s  MFU {100 * r[0] * fpt / PEAK:5.1f}%  "
+                 f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  ({time.perf_counter() - t0:.0f} s)")
+        if "hf+liger" in rows:
+            ref = rows["hf+liger"]
+            for label, r in rows.items():
+                emit(f"  {label:36s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
+                     f"{r[1] / ref[1]:.2f}x its peak memory")
+        for label in filter(None, args.mbs_search.split(",")):
+            for ckpt in ("none", "full"):
+                t0 = time.perf_counter()
+                best = largest_mbs(lambda m: runner(label, m, ckpt)(), args.seq,
+                                   args.mbs_limit)
+                emit(f"largest mbs (doubling from 16, up to {args.mbs_limit}) {label:30s} "
+                     f"checkpointing={ckpt}: {best}  ({time.perf_counter() - t0:.0f} s)")
+    with open(os.path.join(args.out, "bench_speed.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
