@@ -10,15 +10,19 @@ synthetic tokens (the same windows for every run), it times:
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
   linear cross-entropy).
-tokens/s is the median over the timed steps (after warm-up), MFU = tokens/s x (6N + 12*L*C*T)
-/ 989.5e12 (picotron/utils.py), peak memory is torch's max_memory_allocated. With
---mbs_search, the largest micro-batch that fits (doubling from 16) for the fastest rows, with
+Each row runs in its own process (nothing left over from the row before; liger's patch of
+the Llama module stays in its row). tokens/s is the median over the timed steps,
+MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
+max_memory_allocated. With
+--mbs_search LABELS, the largest micro-batch that fits (doubling from 16) for those rows, with
 and without full checkpointing. The table goes to stdout and DIR/bench_speed.txt.
 """
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -48,19 +52,20 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger+cudnn full-ckpt": (False, "liger", "liger", False, "full", "sdpa_cudnn"),
         "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
         "ours compile+liger-loss+cudnn": (False, "torch", "liger", True, "none", "sdpa_cudnn")}
-_weights = {}        # shape -> state dict on the GPU: materialize draws on the CPU (slow)
+CACHE = "/tmp/picotron_bench_weights_{}.pt"
 
 
 def cached_materialize(model, seed, device, dtype, std=0.02):
-    """train.build_model's materialize, drawn once per shape and copied afterwards: the
-    same weights, without 30 s of CPU sampling per 1.7B variant."""
-    key = (model.cfg.name, dtype)
-    if key not in _weights:
+    """train.build_model's materialize, drawn once per shape and loaded afterwards (each row
+    runs in its own process): the same weights, without 30 s of CPU sampling per 1.7B row."""
+    path = CACHE.format(model.cfg.name)
+    if not os.path.exists(path):
         materialize(model, seed, device, dtype, std)
-        _weights[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
         return model
     model.to_empty(device=device).to(dtype)
-    model.load_state_dict(_weights[key])
+    model.load_state_dict(torch.load(path, map_location=device))
     return model
 
 
@@ -93,20 +98,9 @@ def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, at
     return step, config.model
 
 
-_HF_ORIGINALS = {}
-
-
 def hf_runner(shape, mbs, seq, liger, ckpt):
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama import modeling_llama as ml
-    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
-    if not _HF_ORIGINALS:
-        _HF_ORIGINALS.update({n: getattr(ml, n) for n in names},
-                             forward=ml.LlamaForCausalLM.forward)
-    for n in names:     # liger patches the module for every model built later: undo first
-        setattr(ml, n, _HF_ORIGINALS[n])
-    ml.LlamaForCausalLM.forward = _HF_ORIGINALS["forward"]
-    if liger:
+    if liger:           # patches the Llama module: this process runs one row only
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
     m = resolve_model(shape)
@@ -156,11 +150,43 @@ def measure(make, warmup, steps, mbs, seq):
     return result
 
 
-def largest_mbs(make_at, seq, limit):
+def run_one(args, label, shape, mbs, ckpt=None):
+    """One row in a fresh process (no memory left over from the last row, no liger patch
+    leaking into a plain HF row): (tokens/s, peak GB, loss) or a string naming the error."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", label, "--shapes", shape,
+           "--mbs", str(mbs), "--seq", str(args.seq), "--warmup", str(args.warmup),
+           "--steps", str(args.steps), "--ckpt", ckpt or ""]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return "TIMEOUT"
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        return f"CRASH rc={proc.returncode}: {proc.stderr.strip()[-300:]}"
+    r = json.loads(found[-1][7:])
+    return tuple(r) if isinstance(r, list) else r
+
+
+def child(args):
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    train.materialize = cached_materialize
+    label, shape, mbs, ckpt = args.one, args.shapes, args.mbs, args.ckpt or None
+    if label.startswith("ours"):
+        o = OURS[label]
+        make = lambda: ours_runner(shape, mbs, args.seq, *o[:4], ckpt or o[4], o[5])  # noqa
+    else:
+        make = lambda: hf_runner(shape, mbs, args.seq, label == "hf+liger", ckpt == "full")  # noqa
+    print("RESULT " + json.dumps(measure(make, args.warmup, args.steps, mbs, args.seq)))
+
+
+def largest_mbs(args, label, shape, ckpt, deadline):
     """Doubling from 16: the largest micro-batch whose two steps run without OOM."""
     best, mbs = None, 16
-    while mbs <= limit:
-        r = measure(lambda: make_at(mbs), 1, 1, mbs, seq)
+    while mbs <= args.mbs_limit:
+        if time.time() > deadline:
+            return f"{best} (search stopped: deadline)"
+        r = run_one(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1}), label,
+                    shape, mbs, ckpt)
         if isinstance(r, str):
             break
         best, mbs = mbs, mbs * 2
@@ -215,13 +241,16 @@ def main():
     p.add_argument("--mbs_search", default="", help="comma-separated labels: largest mbs")
     p.add_argument("--mbs_limit", type=int, default=128)
     p.add_argument("--attn_backends", action="store_true")
+    p.add_argument("--deadline_s", type=float, default=1e9, help="start nothing after this")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
+    p.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    train.materialize = cached_materialize
-    torch._dynamo.config.cache_size_limit = 64
-    lines = [f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, seq {args.seq}, "
-             f"mbs {args.mbs}, bf16 params, fused AdamW"]
+    if args.one:
+        return child(args)
+    deadline = time.time() + args.deadline_s
+    lines = [f"torch {torch.__version__}, seq {args.seq}, mbs {args.mbs}, bf16 params, "
+             f"fused AdamW, each row in its own process"]
 
     def emit(text):
         print(text, flush=True)
@@ -233,17 +262,14 @@ def main():
         if args.attn_backends:
             attention_backends(emit, shape, args.mbs, args.seq)
         rows = {}
-
-        def runner(label, mbs, ckpt=None):
-            if label.startswith("ours"):
-                o = OURS[label]
-                return lambda: ours_runner(shape, mbs, args.seq, *o[:4], ckpt or o[4], o[5])
-            return lambda: hf_runner(shape, mbs, args.seq, label == "hf+liger", ckpt == "full")
         for label in list(OURS) + ["hf", "hf+liger"]:
             if args.rows and label not in args.rows.split(","):
                 continue
+            if time.time() > deadline:
+                emit(f"{label:38s} skipped (deadline)")
+                continue
             t0 = time.perf_counter()
-            r = measure(runner(label, args.mbs), args.warmup, args.steps, args.mbs, args.seq)
+            r = run_one(args, label, shape, args.mbs)
             if isinstance(r, str):
                 emit(f"{label:38s} {r}")
                 continue
@@ -255,13 +281,13 @@ def main():
             for label, r in rows.items():
                 emit(f"  {label:36s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
                      f"{r[1] / ref[1]:.2f}x its peak memory")
+    for shape in args.shapes.split(","):     # after every shape's table: the costly part
         for label in filter(None, args.mbs_search.split(",")):
             for ckpt in ("none", "full"):
                 t0 = time.perf_counter()
-                best = largest_mbs(lambda m: runner(label, m, ckpt)(), args.seq,
-                                   args.mbs_limit)
-                emit(f"largest mbs (doubling from 16, up to {args.mbs_limit}) {label:30s} "
-                     f"checkpointing={ckpt}: {best}  ({time.perf_counter() - t0:.0f} s)")
+                best = largest_mbs(args, label, shape, ckpt, deadline)
+                emit(f"{shape} largest mbs (doubling from 16, up to {args.mbs_limit}) "
+                     f"{label} checkpointing={ckpt}: {best}  ({time.perf_counter() - t0:.0f} s)")
     with open(os.path.join(args.out, "bench_speed.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
