@@ -47,11 +47,9 @@ PEAK = 989.5e12
 OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger": (False, "liger", "liger", False, "none", "sdpa"),
         "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
-        "ours liger+cudnn": (False, "liger", "liger", False, "none", "sdpa_cudnn"),
-        "ours liger+cudnn fp32-master": (True, "liger", "liger", False, "none", "sdpa_cudnn"),
-        "ours liger+cudnn full-ckpt": (False, "liger", "liger", False, "full", "sdpa_cudnn"),
+        "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
         "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
-        "ours compile+liger-loss+cudnn": (False, "torch", "liger", True, "none", "sdpa_cudnn")}
+        "ours chunked-loss selective": (False, "torch", "chunked", False, "selective", "sdpa")}
 CACHE = "/tmp/picotron_bench_weights_{}.pt"
 
 

@@ -50,8 +50,7 @@ class ModelConfig:
     # PaLM-style options (Chowdhery et al. 2022, section 2).
     parallel_residual: bool = False   # x + attn(norm(x)) + mlp(norm(x)) with one shared norm
     norm_type: str = "rmsnorm"        # rmsnorm | layernorm (LayerNorm without bias, as PaLM)
-    # auto: flash-attn when installed and on GPU, else sdpa; sdpa_cudnn: SDPA with cuDNN's
-    # kernel first; eager: the plain softmax(QK^T)V.
+    # auto: flash-attn when installed and on GPU, else sdpa; eager: the plain softmax(QK^T)V.
     attn_implementation: str = "auto"
     # torch: the readable PyTorch ops (reference); liger: liger-kernel's Triton RMSNorm, RoPE
     # and SwiGLU (CUDA, picotron/ops/liger.py).
@@ -154,7 +153,7 @@ PP_ENGINES = ("afab", "1f1b", "interleaved")
 CP_MODES = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "sdpa_cudnn", "flash_attention_2", "eager")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
 KERNELS = ("torch", "liger")
 FUSED_LOSSES = ("none", "chunked", "liger")
 CHECKPOINTING = ("none", "full", "selective")

@@ -126,17 +126,6 @@ def sdpa_attention(q, k, v, position_ids=None):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def cudnn_attention(q, k, v, position_ids=None):
-    """SDPA with cuDNN's fused attention first: on an H200 at D=64/128, T=2048 it runs forward
-    + backward 1.6x faster than SDPA's default flash kernel (bench/NOTES.md). SDPA falls back
-    to flash, memory-efficient, then math where cuDNN refuses the inputs (and on CPU)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(order, set_priority=True):
-        return sdpa_attention(q, k, v, position_ids)
-
-
 def flash_attention(q, k, v, position_ids=None):
     """flash-attn's kernel, which wants (B, T, H, D) and handles GQA itself."""
     from flash_attn import flash_attn_func
@@ -149,7 +138,7 @@ def resolve_attention(name: str, device_type: str):
     if name == "auto":
         has_flash = importlib.util.find_spec("flash_attn") is not None
         name = "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
-    return {"eager": eager_attention, "sdpa": sdpa_attention, "sdpa_cudnn": cudnn_attention,
+    return {"eager": eager_attention, "sdpa": sdpa_attention,
             "flash_attention_2": flash_attention}[name]
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from picotron.config import ModelConfig
-from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, cudnn_attention,
-                            eager_attention, materialize, rope_cos_sin, sdpa_attention)
+from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, materialize, rope_cos_sin,
+                            sdpa_attention)
 from picotron.ops.loss import LinearCrossEntropy, chunked_linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,13 +82,6 @@ def test_rope(liger, zigzag):
 def test_swiglu(liger):
     check(liger.swiglu, TORCH_KERNELS.swiglu, [randn(4, 512, 2560), randn(4, 512, 2560)],
           [randn(4, 512, 2560)])
-
-
-@pytest.mark.parametrize("kv_heads", [5, 15])
-def test_cudnn_attention(kv_heads):
-    """attn_implementation='sdpa_cudnn' against the eager softmax(QK^T)V, GQA and MHA; D=64."""
-    shapes = [(2, 15, 512, 64), (2, kv_heads, 512, 64), (2, kv_heads, 512, 64)]
-    check(cudnn_attention, eager_attention, [randn(*s) for s in shapes], [randn(*shapes[0])])
 
 
 @pytest.mark.parametrize("impl", ["chunked", "liger"])
