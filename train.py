@@ -64,7 +64,7 @@ def build_model(config, pgm, device):
     dtype = getattr(torch, config.training.dtype)
     attention_fn = resolve_attention(config.model.attn_implementation, device.type)
     with torch.device("meta"):
-        model = Decoder(config.model, attention_fn)
+        model = Decoder(config.model, attention_fn, config.training.activation_checkpointing)
     # Parallelism is applied to the skeleton here, one `apply_<axis>(model, pgm, config)` per
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
@@ -76,6 +76,9 @@ def build_model(config, pgm, device):
                         config.model.initializer_range)
     if config.checkpoint.init_from:   # pretrained weights replace the random draw, never after
         load_hf_weights(model, config.checkpoint.init_from)
+    if config.training.compile:       # in place: parameter names stay those of the layout
+        for layer in model.layers.values():
+            layer.compile()
     return model
 
 
@@ -95,8 +98,10 @@ def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scal
         # Context parallel: this rank's zigzag share of the tokens, their targets and true
         # positions (all of them, positions 0..T-1, when cp_size is 1).
         inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
-        logits = model(inputs.to(device), position_ids.to(device))         # (B, T, V)
-        loss = loss_fn(logits, targets.to(device)) / accum
+        # (B, T, V) logits; or the final hidden (B, T, C) when the loss applies the head itself
+        out = model(inputs.to(device), position_ids.to(device),
+                    head=not getattr(loss_fn, "applies_head", False))
+        loss = loss_fn(out, targets.to(device)) / accum
         grads.sync = micro == accum - 1
         (loss * loss_scale).backward()
         total += loss.detach()
@@ -140,7 +145,7 @@ def main(argv=None):
     model = build_model(config, pgm, device)
     grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
     optimizer = DistributedAdamW(grads, pgm, config)
-    loss_fn = loss_function(pgm, config)     # vocab-parallel when the logits are TP-sharded
+    loss_fn = loss_function(pgm, config, model)   # vocab-parallel when the logits are sharded
     data, val_data = build_train_val(config, run_dir)
     # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
     start_step, tokens_seen = resume(config, run_dir, model, optimizer, pgm, data)

@@ -54,6 +54,9 @@ class ModelConfig:
     norm_type: str = "rmsnorm"        # rmsnorm | layernorm (LayerNorm without bias, as PaLM)
     # auto: flash-attn when installed and on GPU, else sdpa; eager: the plain softmax(QK^T)V.
     attn_implementation: str = "auto"
+    # torch: the readable PyTorch ops (reference); liger: liger-kernel's Triton RMSNorm, RoPE
+    # and SwiGLU (CUDA, picotron/ops/liger.py).
+    kernels: str = "torch"
 
 
 @dataclass
@@ -77,6 +80,11 @@ class TrainingConfig:
     loss_scale_window: int = 1000      # good steps before the loss scale doubles
     use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
     val_frequency: int = 0             # steps between val_loss evaluations; 0: never
+    # none: logits, then cross-entropy (reference) | chunked: head + loss a chunk of tokens
+    # at a time, plain PyTorch | liger: the same with liger-kernel (picotron/ops/loss.py)
+    fused_loss: str = "none"
+    activation_checkpointing: str = "none"   # none | full | selective (picotron/ops/recompute.py)
+    compile: bool = False              # torch.compile each decoder layer
 
 
 @dataclass
@@ -148,6 +156,9 @@ CP_MODES = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
+KERNELS = ("torch", "liger")
+FUSED_LOSSES = ("none", "chunked", "liger")
+CHECKPOINTING = ("none", "full", "selective")
 
 
 def _type_ok(value, hint) -> bool:

@@ -4,8 +4,8 @@ Called by `config.config_from_dict` at load time, so an impossible layout is ref
 single process group exists."""
 from typing import Optional
 
-from picotron.config import (ATTN_IMPLEMENTATIONS, CP_MODES, DTYPES, NORM_TYPES, PP_ENGINES,
-                             Config)
+from picotron.config import (ATTN_IMPLEMENTATIONS, CHECKPOINTING, CP_MODES, DTYPES,
+                             FUSED_LOSSES, KERNELS, NORM_TYPES, PP_ENGINES, Config)
 
 
 def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
@@ -83,6 +83,21 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
         errors.append(f"model.attn_implementation='{m.attn_implementation}' must be one of "
                       f"{ATTN_IMPLEMENTATIONS}")
+    for key, value, allowed in (("model.kernels", m.kernels, KERNELS),
+                                ("training.fused_loss", t.fused_loss, FUSED_LOSSES),
+                                ("training.activation_checkpointing",
+                                 t.activation_checkpointing, CHECKPOINTING)):
+        if value not in allowed:
+            errors.append(f"{key}='{value}' must be one of {allowed}")
+    liger = [k for k, v in (("model.kernels", m.kernels), ("training.fused_loss",
+                                                            t.fused_loss)) if v == "liger"]
+    if m.kernels == "liger" and t.activation_checkpointing == "selective":
+        errors.append("training.activation_checkpointing='selective' keeps the matmul outputs, "
+                      "and model.kernels='liger' rotates q and k in place inside them, so the "
+                      "recomputation would rotate twice; use 'full' or model.kernels='torch'")
+    if liger and d.use_cpu:
+        errors.append(f"{' and '.join(liger)}='liger' runs Triton kernels on CUDA GPUs only, "
+                      f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
     if t.dtype not in DTYPES:
         errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
     for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",

@@ -11,42 +11,78 @@ Parallelism never appears here. It reaches the model only through its structure:
 - `embed_tokens`, `norm` and `lm_head` may be None (pipeline stages without them);
 - attention goes through `attention_fn(q, k, v, position_ids)`, which context parallelism
   replaces with ring attention.
+
+Fast paths (`model.kernels`): the norms, RoPE and SwiGLU call their op through `self.kernels`,
+a namespace of functions. The readable PyTorch versions below are the reference and the
+default; `picotron/ops/liger.py` holds the same functions backed by liger-kernel's Triton
+kernels, and tests/test_kernels_gpu.py compares the two.
 """
 import importlib.util
 import math
+import types
 import zlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from picotron.ops.recompute import checkpointed
+
+
+def rms_norm(x, weight, eps: float):
+    """x / rms(x) * w, computed in fp32 (as Llama and Hugging Face do), cast back."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def layer_norm(x, weight, eps: float):
+    """LayerNorm with a gain and no bias (PaLM: "no biases in dense kernels or layer norms").
+    F.layer_norm is already one fused kernel (fp32 statistics) on both kinds of fast path."""
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), None, eps).to(x.dtype)
+
+
+def rope(q, k, cos, sin):
+    """RoPE on queries (B, H, T, D) and keys (B, K, T, D) at once."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, the SwiGLU activation (Shazeer 2020)."""
+    return F.silu(gate) * up
+
+
+TORCH_KERNELS = types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, rope=rope,
+                                      swiglu=swiglu)
+
+
+def resolve_kernels(name: str):
+    """The op namespace for `model.kernels`: "torch" (the reference above) or "liger"."""
+    if name == "torch":
+        return TORCH_KERNELS
+    from picotron.ops.liger import liger_kernels    # imports liger-kernel only when asked
+    return liger_kernels()
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, computed in fp32 (as Llama and Hugging Face do), cast back."""
-
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels=TORCH_KERNELS):
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a gain and no bias (PaLM: "no biases in dense kernels or layer norms")."""
-
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels=TORCH_KERNELS):
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None,
-                            self.eps).to(x.dtype)
+        return self.kernels.layer_norm(x, self.weight, self.eps)
 
 
 NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
@@ -107,7 +143,7 @@ def resolve_attention(name: str, device_type: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, attention_fn):
+    def __init__(self, cfg, attention_fn, kernels=TORCH_KERNELS):
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         kv_dim = cfg.num_key_value_heads * self.head_dim
@@ -115,7 +151,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.attention_fn = attention_fn
+        self.attention_fn, self.kernels = attention_fn, kernels
 
     def forward(self, x, cos, sin, position_ids):
         B, T, _ = x.shape
@@ -123,7 +159,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, K, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, K, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.kernels.rope(q, k, cos, sin)
         out = self.attention_fn(q, k, v, position_ids)                      # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))          # (B, T, C)
 
@@ -131,27 +167,28 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, kernels=TORCH_KERNELS):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels = kernels
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, attention_fn):
+    def __init__(self, cfg, attention_fn, kernels=TORCH_KERNELS):
         super().__init__()
         norm = NORMS[cfg.norm_type]
         self.parallel_residual = cfg.parallel_residual
-        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, attention_fn)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, attention_fn, kernels)
         # PaLM's parallel block feeds one normalised input to both branches.
         self.post_attention_layernorm = (None if cfg.parallel_residual
-                                         else norm(cfg.hidden_size, cfg.rms_norm_eps))
-        self.mlp = MLP(cfg)
+                                         else norm(cfg.hidden_size, cfg.rms_norm_eps, kernels))
+        self.mlp = MLP(cfg, kernels)
 
     def forward(self, x, cos, sin, position_ids):
         h = self.input_layernorm(x)
@@ -163,24 +200,32 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module):
     """Token ids (B, T) -> logits (B, T, V); on a middle pipeline stage, hidden (B, T, C) in
-    and out."""
+    and out. `head=False` stops after the final norm: the loss then applies the head itself
+    (picotron/ops/loss.py), so the (B, T, V) logits never exist at once.
 
-    def __init__(self, cfg, attention_fn=sdpa_attention):
+    `checkpointing` (training.activation_checkpointing) is what each layer keeps for backward:
+    "none" everything; "full" only its input, the layer is recomputed in backward;
+    "selective" the outputs of its matmuls and attention, the cheap ops are recomputed
+    (picotron/ops/recompute.py)."""
+
+    def __init__(self, cfg, attention_fn=sdpa_attention, checkpointing: str = "none"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.checkpointing = cfg, checkpointing
+        kernels = resolve_kernels(cfg.kernels)
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn, kernels)
                                      for i in range(cfg.num_hidden_layers)})
-        self.norm = NORMS[cfg.norm_type](cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = NORMS[cfg.norm_type](cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:     # one weight; named once, as "embed_tokens.weight"
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, x, position_ids=None, layers=None):
+    def forward(self, x, position_ids=None, layers=None, head: bool = True):
         """`layers`: keys of the layers to run, default all held here. A pipeline rank holding
         several chunks (interleaved schedule) runs one per call: token ids go through the
-        embedding, hidden states do not; the norm and head run after the model's last layer."""
+        embedding, hidden states do not; the norm and head run after the model's last layer.
+        `head=False` stops after the final norm, for a loss that applies the head itself."""
         keys = list(self.layers) if layers is None else layers
         if self.embed_tokens is not None and not torch.is_floating_point(x):
             x = self.embed_tokens(x)                                       # (B, T, C)
@@ -189,12 +234,16 @@ class Decoder(nn.Module):
             position_ids = torch.arange(T, device=x.device).expand(B, T)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, x.dtype)
         for key in keys:
-            x = self.layers[key](x, cos, sin, position_ids)
+            layer = self.layers[key]
+            if self.checkpointing == "none" or not torch.is_grad_enabled():
+                x = layer(x, cos, sin, position_ids)
+            else:
+                x = checkpointed(layer, self.checkpointing, x, cos, sin, position_ids)
         if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
             return x
         if self.norm is not None:
             x = self.norm(x)
-        if self.lm_head is not None:
+        if self.lm_head is not None and head:
             x = self.lm_head(x)                                            # (B, T, V)
         return x
 

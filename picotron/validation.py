@@ -24,9 +24,10 @@ def validation_loss(model, loss_fn, val_data, config, pgm, device) -> float:
         # this CP rank's share of the tokens (all of them when cp_size is 1)
         inputs, targets, positions = shard_sequence(windows[:, :-1], windows[:, 1:],
                                                     pgm.cp_rank, pgm.cp_size)
-        logits = model(inputs, positions)                                # (B, T, V)
+        # logits (B, T, V), or hidden (B, T, C) for a loss that applies the head itself
+        out = model(inputs, positions, head=not getattr(loss_fn, "applies_head", False))
         # loss_fn is the token mean (vocab-parallel under TP): times the count, a sum
-        loss = loss_fn(logits, targets) * targets.numel()
+        loss = loss_fn(out, targets) * targets.numel()
         total += torch.stack([loss.double(), torch.tensor(targets.numel(),
                                                          dtype=torch.float64, device=device)])
     if pgm.cp_dp_size > 1:          # DP ranks read different windows, CP ranks other tokens

@@ -131,7 +131,9 @@ class GradBuckets:
         p.grad = None
         self._ready_total += 1
         bucket.ready += 1
-        if self.sync and bucket.ready == len(bucket.members):
+        # A bucket whose sum over `sum_group` must come first waits for finish(): a blocking
+        # sum inside one pipeline stage's backward would stall the stage it pairs with.
+        if self.sync and bucket.ready == len(bucket.members) and bucket.sum_group is None:
             self._launch(bucket)
 
     def _launch(self, bucket):

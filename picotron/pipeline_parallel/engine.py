@@ -19,9 +19,10 @@ the fp16 loss scale, 1 otherwise), so the gradients are those of the mean loss o
 batch. The last stage returns the sum of the divided losses, i.e. the mean; every other stage
 returns 0 (the logging rank is a last stage).
 
-Gradient reductions (data_parallel's buckets) all start after the schedule, in
-`grads.finish()`: a bucket launched inside a backward could block the stage on the tied
-embedding's sum across the pipeline's two ends before it has sent its gradients on.
+Gradient reductions (data_parallel's buckets) start during this rank's last backward, for the
+buckets it completes; the rest, and the tied embedding's sum across the pipeline's two ends,
+start in `grads.finish()` (a blocking sum inside a backward would stall this stage before it
+sends its gradients on).
 """
 import functools
 
@@ -40,10 +41,11 @@ def steps_for(engine: str, pp: int, micro_batches: int, v: int, rank: int) -> tu
     return tuple(rank_steps(timeline(schedule_orders(engine, pp, micro_batches, v), v), rank, v))
 
 
-def forward_step(model, inputs, position_ids, chunk_layers):
+def forward_step(model, inputs, position_ids, chunk_layers, head=True):
     """inputs: token ids (B, T) or hidden states (B, T, C) -> (B, T, C), or logits (B, T, V)
-    after the model's last layer. position_ids (B, T): every stage needs them for RoPE."""
-    return model(inputs, position_ids, layers=chunk_layers)
+    after the model's last layer (unless the loss applies the head itself: head=False).
+    position_ids (B, T): every stage needs them for RoPE."""
+    return model(inputs, position_ids, layers=chunk_layers, head=head)
 
 
 def backward_step(output, grad_output):
@@ -51,9 +53,12 @@ def backward_step(output, grad_output):
     torch.autograd.backward(output, grad_output)
 
 
-def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=1.0):
+def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=1.0,
+              grads=None):
     """Execute this rank's `steps`. chunks[c]: layer keys of chunk c. get_batch(micro) ->
     (inputs, targets, position_ids) on the device; loss_fn(logits, targets) -> mean loss.
+    With `grads` (the data-parallel buckets), this rank's last backward runs with
+    `grads.sync`, so buckets it completes start their reduction during that backward.
     Returns (sum of the divided losses on the last stage, else 0; the most micro-batch
     activations this rank held at once)."""
     pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
@@ -66,8 +71,12 @@ def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=
     inbox = {}      # (kind, stage, micro) -> a received activation or gradient
     outbox = {}     # (kind, stage, micro) -> a tensor waiting for this step's exchange
     peak = 0
-    for step in steps:
+    last_backward = max((i for i, st in enumerate(steps)
+                         if st.action is not None and st.action.kind == "B"), default=-1)
+    for i, step in enumerate(steps):
         a = step.action
+        if grads is not None:
+            grads.sync = i == last_backward
         if a is not None:
             s = a.chunk * pp + rank                        # this action's virtual stage
             if a.kind == "F":
@@ -75,7 +84,8 @@ def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=
                     inputs = get_batch(a.micro)[0]                                # (B, T)
                 else:      # a leaf, so its .grad is what goes back to the previous stage
                     inputs = inbox.pop(("act", s, a.micro)).requires_grad_()     # (B, T, C)
-                output = forward_step(model, inputs, get_batch(a.micro)[2], chunks[a.chunk])
+                output = forward_step(model, inputs, get_batch(a.micro)[2], chunks[a.chunk],
+                                      head=not getattr(loss_fn, "applies_head", False))
                 if s == last_stage:
                     output = loss_fn(output, get_batch(a.micro)[1]) / accum
                     total += output.detach()
@@ -117,7 +127,6 @@ def pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device, 
         inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
         return inputs.to(device), targets.to(device), position_ids.to(device)
 
-    grads.sync = False          # reductions start in grads.finish(), after the schedule
     loss, _ = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), get_batch, loss_fn,
-                        config, pgm, loss_scale)
+                        config, pgm, loss_scale, grads)
     return loss

@@ -30,6 +30,7 @@ from functools import partial
 import torch
 
 from picotron.model import causal_lm_loss
+from picotron.ops.loss import LinearCrossEntropy
 from picotron.tensor_parallel.comms import enter_tp
 from picotron.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, VocabParallelHead)
@@ -117,9 +118,12 @@ def _full_positions(model, args, kwargs, tp_size):
     return args, kwargs
 
 
-def loss_function(pgm, config):
-    """loss(logits, targets): plain cross-entropy, or its vocab-parallel form when the logits
-    are sharded over TP."""
-    if pgm.tp_size == 1:
-        return causal_lm_loss
-    return partial(vocab_parallel_cross_entropy, group=pgm.tp_group)
+def loss_function(pgm, config, model=None):
+    """loss(output, targets): its vocab-parallel form when the logits are sharded over TP;
+    else plain cross-entropy on the logits, or (`training.fused_loss`) a LinearCrossEntropy
+    that applies `model`'s head itself to the final hidden states, chunk by chunk."""
+    if pgm.tp_size > 1:
+        return partial(vocab_parallel_cross_entropy, group=pgm.tp_group)
+    if config.training.fused_loss != "none":
+        return LinearCrossEntropy(model, config.training.fused_loss)
+    return causal_lm_loss

@@ -1,0 +1,294 @@
+"""Issue 9's benchmark: picotron's train.py path against Hugging Face loops, in one call.
+
+    python bench/bench_speed.py [--shapes SmolLM-360M,SmolLM-1.7B] [--mbs_search] [--out DIR]
+
+For each shape, seq 2048, micro-batch 16, bf16 parameters, fused AdamW, no accumulation,
+synthetic tokens (the same windows for every run), it times:
+- ours: train.py's own build_model / GradBuckets / DistributedAdamW / loss_function /
+  train_step, as its loop calls them, with the fast options of each row;
+- hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
+  (fused, bf16 moments on bf16 parameters);
+- hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
+  linear cross-entropy).
+Each row runs in its own process (nothing left over from the row before; liger's patch of
+the Llama module stays in its row). tokens/s is the median over the timed steps,
+MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
+max_memory_allocated. With
+--mbs_search LABELS, the largest micro-batch that fits (doubling from 16) for those rows, with
+and without full checkpointing. The table goes to stdout and DIR/bench_speed.txt.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train  # noqa: E402
+from picotron.config import config_from_dict  # noqa: E402
+from picotron.data import SyntheticData  # noqa: E402
+from picotron.data_parallel import DistributedAdamW, GradBuckets  # noqa: E402
+from picotron.model import materialize  # noqa: E402
+from picotron.presets import resolve_model  # noqa: E402
+from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
+from picotron.tensor_parallel import loss_function  # noqa: E402
+from picotron.utils import count_params, flops_per_token  # noqa: E402
+
+PEAK = 989.5e12
+# label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
+OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
+        "ours liger": (False, "liger", "liger", False, "none", "sdpa"),
+        "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
+        "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
+        "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
+        "ours chunked-loss selective": (False, "torch", "chunked", False, "selective", "sdpa")}
+CACHE = "/tmp/picotron_bench_weights_{}.pt"
+
+
+def cached_materialize(model, seed, device, dtype, std=0.02):
+    """train.build_model's materialize, drawn once per shape and loaded afterwards (each row
+    runs in its own process): the same weights, without 30 s of CPU sampling per 1.7B row."""
+    path = CACHE.format(model.cfg.name)
+    if not os.path.exists(path):
+        materialize(model, seed, device, dtype, std)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return model
+    model.to_empty(device=device).to(dtype)
+    model.load_state_dict(torch.load(path, map_location=device))
+    return model
+
+
+def base_config(shape, mbs, seq):
+    return {"model": resolve_model(shape),
+            "training": {"micro_batch_size": mbs, "seq_length": seq, "dtype": "bfloat16",
+                         "use_fused_adam": True, "total_train_steps": 1000, "warmup_steps": 1},
+            "dataset": {"name": "synthetic"}}
+
+
+def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn):
+    raw = base_config(shape, mbs, seq)
+    raw["model"].update(kernels=kernels, attn_implementation=attn)
+    raw["training"].update(master_weights=master, fused_loss=fused_loss, compile=compile_,
+                           activation_checkpointing=ckpt)
+    config = config_from_dict(raw, world_size=1)
+    pgm, device = ProcessGroupManager(1, 1, 1, 1), torch.device("cuda")
+    model = train.build_model(config, pgm, device)
+    grads = GradBuckets(model, pgm, config)
+    optimizer = DistributedAdamW(grads, pgm, config)
+    loss_fn = loss_function(pgm, config, model)
+    data = SyntheticData(seq, config.model.vocab_size, 42)
+
+    def step(i):        # the body of train.py's loop
+        loss = train.train_step(model, loss_fn, grads, data, i, config, pgm, device, 1.0)
+        grads.finish()
+        optimizer.step(3e-4)
+        grads.zero_grad()
+        return loss.item()
+    return step, config.model
+
+
+def hf_runner(shape, mbs, seq, liger, ckpt):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if liger:           # patches the Llama module: this process runs one row only
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    m = resolve_model(shape)
+    cfg = LlamaConfig(**{k: v for k, v in m.items() if k != "name"},
+                      attn_implementation="sdpa", use_cache=False)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if ckpt:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=True)
+    data = SyntheticData(seq, m["vocab_size"], 42)
+
+    def step(i):
+        w = torch.stack([data.window(i * mbs + b) for b in range(mbs)]).cuda()
+        # HF shifts the labels itself: labels = inputs, T-1 predictions per sequence
+        loss = model(input_ids=w[:, :-1], labels=w[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step, None
+
+
+def measure(make, warmup, steps, mbs, seq):
+    """(tokens/s median, peak GB, last loss), or a string naming the error."""
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        step, _ = make()
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            loss = step(i)                      # .item() waits for the device
+            times.append(time.perf_counter() - start)
+        result = (mbs * seq / statistics.median(times[warmup:]),
+                  torch.cuda.max_memory_allocated() / 2 ** 30, loss)
+    except torch.OutOfMemoryError:
+        result = "OOM"
+    except Exception as e:      # one broken row must not end the call
+        result = f"ERROR {type(e).__name__}: {str(e)[:200]}"
+    step = None                 # free the model, its gradients and optimizer state
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return result
+
+
+def run_one(args, label, shape, mbs, ckpt=None):
+    """One row in a fresh process (no memory left over from the last row, no liger patch
+    leaking into a plain HF row): (tokens/s, peak GB, loss) or a string naming the error."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", label, "--shapes", shape,
+           "--mbs", str(mbs), "--seq", str(args.seq), "--warmup", str(args.warmup),
+           "--steps", str(args.steps), "--ckpt", ckpt or ""]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return "TIMEOUT"
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        return f"CRASH rc={proc.returncode}: {proc.stderr.strip()[-300:]}"
+    r = json.loads(found[-1][7:])
+    return tuple(r) if isinstance(r, list) else r
+
+
+def child(args):
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    train.materialize = cached_materialize
+    label, shape, mbs, ckpt = args.one, args.shapes, args.mbs, args.ckpt or None
+    if label.startswith("ours"):
+        o = OURS[label]
+        make = lambda: ours_runner(shape, mbs, args.seq, *o[:4], ckpt or o[4], o[5])  # noqa
+    else:
+        make = lambda: hf_runner(shape, mbs, args.seq, label == "hf+liger", ckpt == "full")  # noqa
+    print("RESULT " + json.dumps(measure(make, args.warmup, args.steps, mbs, args.seq)))
+
+
+def largest_mbs(args, label, shape, ckpt, deadline):
+    """Doubling from 16: the largest micro-batch whose two steps run without OOM."""
+    best, mbs = None, 16
+    while mbs <= args.mbs_limit:
+        if time.time() > deadline:
+            return f"{best} (search stopped: deadline)"
+        r = run_one(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1}), label,
+                    shape, mbs, ckpt)
+        if isinstance(r, str):
+            break
+        best, mbs = mbs, mbs * 2
+    return best
+
+
+def attention_backends(emit, shape, mbs, seq):
+    """Forward + backward time of one layer's SDPA call under each backend, (B, H, T, D) bf16,
+    causal: which kernel `model.attn_implementation="sdpa"` should prefer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    m = resolve_model(shape)
+    H, K = m["num_attention_heads"], m["num_key_value_heads"]
+    D = m["hidden_size"] // H
+    q = torch.randn(mbs, H, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(mbs, K, seq, D, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    flops = 4 * mbs * H * seq * seq * D * 3.5 / 2     # fwd 2 matmuls, bwd 5; causal half
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in ((True, False) if H != K else (False,)):
+            try:
+                def f():
+                    kk, vv = (k, v) if gqa or H == K else (k.repeat_interleave(H // K, 1),
+                                                           v.repeat_interleave(H // K, 1))
+                    with sdpa_kernel(backend):
+                        out = torch.nn.functional.scaled_dot_product_attention(
+                            q, kk, vv, is_causal=True, enable_gqa=gqa and H != K)
+                    out.backward(torch.ones_like(out))
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(10):
+                    f()
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) / 10 * 1e3
+                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} {ms:7.2f} ms fwd+bwd per layer"
+                     f" ({flops / ms / 1e9:.0f} TFLOP/s causal)")
+            except Exception as e:
+                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} unavailable: "
+                     f"{type(e).__name__}: {str(e)[:80]}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
+    p.add_argument("--mbs", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rows", default="", help="comma-separated labels to time (default all)")
+    p.add_argument("--mbs_search", default="", help="comma-separated labels: largest mbs")
+    p.add_argument("--mbs_limit", type=int, default=128)
+    p.add_argument("--attn_backends", action="store_true")
+    p.add_argument("--deadline_s", type=float, default=1e9, help="start nothing after this")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
+    p.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        return child(args)
+    deadline = time.time() + args.deadline_s
+    lines = [f"torch {torch.__version__}, seq {args.seq}, mbs {args.mbs}, bf16 params, "
+             f"fused AdamW, each row in its own process"]
+
+    def emit(text):
+        print(text, flush=True)
+        lines.append(text)
+    for shape in args.shapes.split(","):
+        mcfg = config_from_dict(base_config(shape, args.mbs, args.seq)).model
+        fpt = flops_per_token(mcfg, args.seq)
+        emit(f"\n== {shape}: N = {count_params(mcfg) / 1e6:.1f}M, {fpt / 1e9:.3f} GFLOP/token")
+        if args.attn_backends:
+            attention_backends(emit, shape, args.mbs, args.seq)
+        rows = {}
+        for label in list(OURS) + ["hf", "hf+liger"]:
+            if args.rows and label not in args.rows.split(","):
+                continue
+            if time.time() > deadline:
+                emit(f"{label:38s} skipped (deadline)")
+                continue
+            t0 = time.perf_counter()
+            r = run_one(args, label, shape, args.mbs)
+            if isinstance(r, str):
+                emit(f"{label:38s} {r}")
+                continue
+            rows[label] = r
+            emit(f"{label:38s} {r[0]:>9,.0f} tok/s  MFU {100 * r[0] * fpt / PEAK:5.1f}%  "
+                 f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  ({time.perf_counter() - t0:.0f} s)")
+        if "hf+liger" in rows:
+            ref = rows["hf+liger"]
+            for label, r in rows.items():
+                emit(f"  {label:36s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
+                     f"{r[1] / ref[1]:.2f}x its peak memory")
+    for shape in args.shapes.split(","):     # after every shape's table: the costly part
+        for label in filter(None, args.mbs_search.split(",")):
+            for ckpt in ("none", "full"):
+                t0 = time.perf_counter()
+                best = largest_mbs(args, label, shape, ckpt, deadline)
+                emit(f"{shape} largest mbs (doubling from 16, up to {args.mbs_limit}) "
+                     f"{label} checkpointing={ckpt}: {best}  ({time.perf_counter() - t0:.0f} s)")
+    with open(os.path.join(args.out, "bench_speed.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

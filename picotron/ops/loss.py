@@ -1,0 +1,95 @@
+"""`training.fused_loss`: the output head and the cross-entropy together, so the logits of the
+whole micro-batch never exist at once.
+
+The reference (`model.causal_lm_loss` on `model(x)`) builds the (N, V) logits in bf16, an fp32
+copy, fp32 log-probabilities and, in backward, an fp32 and a bf16 gradient of the same size:
+at N = 16*2048 tokens and V = 49152 that is 3.2 GB per bf16 copy and 6.4 GB per fp32 one, and
+several passes of memory traffic over them. Here (N legend: B*T tokens, C hidden, V vocab):
+- "chunked" (plain PyTorch, any device): the tokens go through the head `rows` at a time;
+  each chunk's fp32 logits give its loss AND its gradients right away (the loss is the last
+  op, so dloss/dlogits = (softmax - onehot(target)) / count is known in forward), and are
+  freed. Backward only scales the stored gradients of the hidden states (N, C) and of the
+  head weight (V, C, accumulated in fp32).
+- "liger": the same scheme with liger-kernel's Triton cross-entropy kernel (fewer passes over
+  each chunk); CUDA only.
+Same arithmetic as the reference: bf16 matmul, fp32 softmax; tests/test_speed.py checks loss
+and gradients against it.
+"""
+import torch
+
+IGNORE_INDEX = -100        # as torch's cross_entropy: targets equal to it add no loss
+
+
+def default_rows(n_tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk: keep a chunk's fp32 logits near the size of the hidden states,
+    (rows, V) ~ (N, C), rounded to a power of two (liger-kernel's rule)."""
+    rows = -(-n_tokens // -(-vocab // hidden))
+    return min(n_tokens, 1 << max(0, (rows - 1).bit_length()))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows: int, need_grad: bool):
+        # hidden (N, C), weight (V, C), targets (N,)
+        valid = targets != IGNORE_INDEX
+        count = valid.sum().clamp(min=1)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32,
+                                  device=weight.device) if need_grad else None
+        for start in range(0, hidden.shape[0], rows):
+            h, t, ok = hidden[start:start + rows], targets[start:start + rows], \
+                valid[start:start + rows]
+            logits = (h @ weight.t()).float()                       # (rows, V) fp32
+            lse = torch.logsumexp(logits, dim=-1)                   # (rows,)
+            target_logit = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+            total += torch.where(ok, lse - target_logit, 0.0).sum()
+            if need_grad:
+                g = logits.sub_(lse[:, None]).exp_()                # softmax, in place
+                hit = ok.nonzero().squeeze(1)
+                g[hit, t[hit]] -= 1.0
+                g = (g * (ok[:, None] / count)).to(hidden.dtype)    # (rows, V) bf16
+                grad_hidden[start:start + rows] = g @ weight        # (rows, C)
+                grad_weight += (g.t() @ h).float()                  # (V, C)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (grad_hidden * grad_out.to(grad_hidden.dtype),
+                (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None)
+
+
+def chunked_linear_cross_entropy(hidden, weight, targets, rows: int = None):
+    """Mean cross-entropy of (hidden @ weight^T) against targets, fp32 softmax.
+    hidden (N, C), weight (V, C), targets (N,)."""
+    rows = rows or default_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, rows, need_grad)
+
+
+class LinearCrossEntropy:
+    """loss(hidden (B, T, C), targets (B, T)): the head `model.lm_head` and the mean
+    cross-entropy in one op. The model is then run with `head=False`."""
+    applies_head = True       # callers read this to run the model without its head
+
+    def __init__(self, model, impl: str):
+        self.model, self.impl = model, impl
+        if impl == "liger":
+            try:
+                from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            except ImportError as e:
+                raise ImportError(f"training.fused_loss='liger' needs liger-kernel on a CUDA "
+                                  f"machine (`pip install liger-kernel==0.8.5`), or use "
+                                  f"'chunked' ({e})") from None
+            self.liger = liger_fused_linear_cross_entropy
+
+    def __call__(self, hidden, targets):
+        weight = self.model.lm_head.weight                  # read now: it may be re-tied
+        hidden, targets = hidden.flatten(0, 1), targets.flatten()
+        if self.impl == "liger":   # fp32 accumulation of the head's gradient, as "chunked"
+            return self.liger(hidden, weight, targets, ignore_index=IGNORE_INDEX,
+                              accum_dtype=torch.float32)
+        return chunked_linear_cross_entropy(hidden, weight, targets)

@@ -1,0 +1,44 @@
+"""Activation checkpointing, one decoder layer at a time (`training.activation_checkpointing`).
+
+Backward needs tensors saved by forward; at seq 2048 they, not the weights, fill the GPU.
+- "full" (Chen et al. 2016): keep only each layer's input (B, T, C); backward re-runs the
+  layer's forward first. Costs one extra forward, about a third more compute.
+- "selective" (after Korthikanti et al. 2022): keep what is expensive to recompute, the
+  outputs of the matmuls and of the attention kernel (with its log-sum-exp), and recompute
+  what is cheap: norms, RoPE, SwiGLU, residual adds, casts: memory-bound passes of a few
+  microseconds each. Megatron's selective recomputes the attention core because its
+  (T, T) scores are the largest tensor; a fused attention kernel never stores them, so here
+  the cheap pointwise ops are what is left to drop. Costs a few percent of time and saves
+  the norms' fp32 and bf16 outputs, RoPE's rotated q/k and SwiGLU's silu and product.
+Both use PyTorch's non-reentrant checkpoint, which recomputes the same kernels on the same
+inputs, so losses and gradients are bitwise those of "none" (tests/test_speed.py).
+"""
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+aten = torch.ops.aten
+# Saved by "selective": matrix products and fused attention (every backend's op name).
+_SAVED_OPS = {aten.mm.default, aten.addmm.default}
+for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+    if hasattr(aten, _name):
+        _SAVED_OPS.add(getattr(aten, _name).default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def checkpointed(layer, mode: str, *inputs):
+    """layer(*inputs), keeping for backward what `mode` ("full" or "selective") says."""
+    if mode == "full":
+        return checkpoint(layer, *inputs, use_reentrant=False)
+    if mode == "selective":
+        return checkpoint(layer, *inputs, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts,
+                                             _selective_policy))
+    raise ValueError(f"activation checkpointing mode '{mode}' is not none/full/selective")

@@ -1,0 +1,153 @@
+"""Issue 9's CPU-testable fast paths against their references: the chunked linear +
+cross-entropy loss, activation checkpointing, the config keys, and train.py with all of them.
+(The liger-kernel paths need CUDA: tests/test_kernels_gpu.py.)"""
+import json
+
+import pytest
+import torch
+
+import create_config
+import train
+from picotron.config import ConfigError, ModelConfig, config_from_dict
+from picotron.model import Decoder, causal_lm_loss, materialize, sdpa_attention
+from picotron.ops.loss import IGNORE_INDEX, LinearCrossEntropy, chunked_linear_cross_entropy
+
+TINY = dict(vocab_size=97, hidden_size=36, intermediate_size=70, num_hidden_layers=3,
+            num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("rows", [7, 16, 1000])       # ragged chunks, even chunks, one chunk
+def test_chunked_loss_matches_full_logits(rows):
+    """fp32 on CPU: same sums in another order, so ~1e-6 relative; some targets ignored."""
+    torch.manual_seed(0)
+    h = torch.randn(40, 24, requires_grad=True)
+    w = torch.randn(97, 24, requires_grad=True)
+    t = torch.randint(0, 97, (40,))
+    t[[3, 17]] = IGNORE_INDEX
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), t, ignore_index=IGNORE_INDEX)
+    gh, gw = torch.autograd.grad(2.0 * ref, (h, w))   # upstream gradient != 1 is scaled
+    loss = chunked_linear_cross_entropy(h, w, t, rows)
+    ch, cw = torch.autograd.grad(2.0 * loss, (h, w))
+    assert abs(loss.item() - ref.item()) < 1e-6 * ref.item()
+    assert rel_err(ch, gh) < 1e-5 and rel_err(cw, gw) < 1e-5
+    with torch.no_grad():                              # validation: no gradients computed
+        assert abs(chunked_linear_cross_entropy(h, w, t, rows).item() - ref.item()) < 1e-5
+
+
+def test_chunked_loss_bf16_is_as_close_as_the_reference():
+    """bf16 hidden and head: both paths do a bf16 matmul then an fp32 softmax; the logits'
+    gradient is rounded to bf16 before the two backward matmuls in both. So they differ by
+    summation order only: well under bf16's 2^-8 = 4e-3 relative step."""
+    torch.manual_seed(1)
+    h = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = (0.2 * torch.randn(200, 32)).bfloat16().requires_grad_()
+    t = torch.randint(0, 200, (64,))
+    ref = causal_lm_loss((h @ w.t())[None], t[None])
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    loss = chunked_linear_cross_entropy(h, w, t, 16)
+    ch, cw = torch.autograd.grad(loss, (h, w))
+    assert abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    assert rel_err(ch.float(), gh.float()) < 4e-3 and rel_err(cw.float(), gw.float()) < 4e-3
+
+
+def build(checkpointing="none", tied=True):
+    with torch.device("meta"):
+        model = Decoder(ModelConfig(**TINY, tie_word_embeddings=tied), sdpa_attention,
+                        checkpointing)
+    return materialize(model, 7, "cpu", torch.float32)
+
+
+def loss_and_grads(model, loss_fn, head):
+    ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(3))
+    tgt = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(4))
+    model.zero_grad()
+    loss = loss_fn(model(ids, head=head), tgt)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_with_fused_loss_matches_reference(tied):
+    """The head applied inside the loss (tied: the embedding gets both gradients)."""
+    model = build(tied=tied)
+    ref_loss, ref = loss_and_grads(model, causal_lm_loss, True)
+    loss, got = loss_and_grads(model, LinearCrossEntropy(model, "chunked"), False)
+    assert abs(loss - ref_loss) < 1e-6 * ref_loss
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_is_exact(mode):
+    """Recomputation reruns the same kernels on the same inputs: bitwise equal on CPU."""
+    ref_loss, ref = loss_and_grads(build(), causal_lm_loss, True)
+    loss, got = loss_and_grads(build(mode), causal_lm_loss, True)
+    assert loss == ref_loss
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_selective_recomputes_pointwise_ops_but_no_matmul():
+    """Ops run over forward + backward, counted at the dispatcher: "selective" runs the norms'
+    rsqrt twice (recomputed) but no extra matmul; "full" reruns the matmuls too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"mm": 0, "rsqrt": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in self.n:
+                self.n[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counts(mode):
+        model, ids = build(mode), torch.randint(0, 97, (2, 16))
+        with Count() as c:
+            causal_lm_loss(model(ids), ids).backward()
+        return c.n
+    none, selective, full = counts("none"), counts("selective"), counts("full")
+    # full stops recomputing once backward has what it needs: 6 of the 7 matmuls per layer
+    # (down_proj's output is not needed); each layer's 2 norms run again in both modes.
+    L = TINY["num_hidden_layers"]
+    assert selective["mm"] == none["mm"] and full["mm"] == none["mm"] + 6 * L
+    assert selective["rsqrt"] == full["rsqrt"] == none["rsqrt"] + 2 * L
+
+
+def test_config_checks_name_the_new_keys():
+    for key, bad in (("model.kernels", "triton"), ("training.fused_loss", "yes"),
+                     ("training.activation_checkpointing", "some")):
+        section, name = key.split(".")
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict({section: {name: bad}})
+    with pytest.raises(ConfigError, match="CUDA GPUs only"):
+        config_from_dict({"model": {"kernels": "liger"}, "distributed": {"use_cpu": True}})
+    with pytest.raises(ConfigError, match="CUDA GPUs only"):
+        config_from_dict({"training": {"fused_loss": "liger"}, "distributed": {"use_cpu": True}})
+    with pytest.raises(ConfigError, match="rotate twice"):
+        config_from_dict({"model": {"kernels": "liger"},
+                          "training": {"activation_checkpointing": "selective"}})
+
+
+def test_train_with_fast_paths_matches_reference(tmp_path):
+    """train.py on CPU: chunked loss + selective checkpointing + validation give the same
+    losses as the reference path (fp32: ~1e-6 from the loss's summation order)."""
+    losses = {}
+    for name, extra in (("ref", []), ("fast", ["--set", "training.fused_loss=chunked", "--set",
+                                               "training.activation_checkpointing=selective"])):
+        path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", name, "--use_cpu",
+                                   "--total_train_steps", "4", "--mbs", "2", "--seq_len", "32",
+                                   "--set", "training.val_frequency=2", "--set",
+                                   "dataset.val_samples=2"] + extra)
+        train.main(["--config", path])
+        records = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        losses[name] = [r.get("loss", r.get("val_loss")) for r in records]
+    assert len(losses["ref"]) == 6
+    for a, b in zip(losses["fast"], losses["ref"]):
+        assert abs(a - b) < 1e-5 * b, (losses["fast"], losses["ref"])
