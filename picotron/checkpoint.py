@@ -70,11 +70,6 @@ def _write_model_shards(model, opt_state, pgm, tmp: str) -> dict:
     return sums
 
 
-def save_weights(model, pgm, directory: str) -> None:
-    """Write this rank's share of the weights only (collective: all ranks call)."""
-    _save(model, None, pgm, directory, state=None)
-
-
 def save_checkpoint(model, optimizer, pgm, config, save_root: str, step: int, state: dict) -> str:
     """Write `<save_root>/step_{step:06d}` with weights, optimizer, RNG and `state` (step,
     tokens seen, data position), point `latest` at it, delete beyond `keep_last`. Collective."""
