@@ -1,0 +1,198 @@
+"""Where one training step's GPU time goes: our rows against HF + Liger, kernel by kernel.
+
+    python bench/profile_step.py [--shapes SmolLM-360M,SmolLM-1.7B] [--rows "ours liger,hf+liger"]
+                                 [--gemm] [--out DIR]
+
+Each row runs in its own process through bench_speed.py's runners (the same models, data and
+optimizers as the benchmark): 3 warm-up steps, then 2 steps under torch.profiler. Per row it
+prints the wall time per step, the GPU busy time per step (the union of kernel intervals; wall
+minus busy is time the GPU waited on the CPU), kernel time by category, and the aten ops with
+the most device time. `--gemm` adds a matmul microbench: the separate q/k/v and gate/up
+projections against one fused matmul each, forward plus both backward products (dX, dW), which
+predicts what fusing the projections can buy. Full tables go to DIR/profile_<shape>_<row>.txt.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, ROOT)
+
+CATEGORIES = [          # first match wins; kernel names as the profiler reports them
+    ("attention", r"cudnn|flash|fmha|sdpa|attention"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|Kernel2"),
+    ("optimizer", r"multi_tensor|adam|foreach|Adam"),
+    ("triton", r"_kernel$|triton|liger|_rms_norm|_swiglu|_rope|cross_entropy"),
+    ("copy/cat", r"copy|cat|Memcpy|Memset|memset|fill"),
+    ("reduction", r"reduce|norm"),
+    ("elementwise", r"elementwise|vectorized|unrolled"),
+    ("embedding", r"embedding|index|scatter|gather|sort|radix"),
+]
+
+
+def category(name):
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return cat
+    return "other"
+
+
+def profile_row(args):
+    """Child process: profile `args.one` on `args.shapes` and print one JSON summary line."""
+    import torch.distributed as dist
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    import bench_speed
+    import train
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    train.materialize = bench_speed.cached_materialize
+    label, shape = args.one, args.shapes
+    if label.startswith("ours"):
+        o = bench_speed.OURS[label]
+        step, _ = bench_speed.ours_runner(shape, args.mbs, args.seq, *o[:5], o[5])
+    else:
+        step, _ = bench_speed.hf_runner(shape, args.mbs, args.seq, label == "hf+liger", False)
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    steps = 2
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(3, 3 + steps):
+            step(i)
+        end.record()
+        torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / steps
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_cat, by_name = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    intervals = []
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        by_cat[category(e.name)] += us / 1e3 / steps
+        by_name[e.name][0] += us / 1e3 / steps
+        by_name[e.name][1] += 1
+        intervals.append((e.time_range.start, e.time_range.end))
+    intervals.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, t in intervals:                      # union of kernel intervals (several streams)
+        if cur_e is None or s > cur_e:
+            busy += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    busy += 0 if cur_e is None else cur_e - cur_s
+    ops = sorted(((a.key, a.self_device_time_total / 1e3 / steps, a.count // steps)
+                  for a in prof.key_averages() if a.device_type == DeviceType.CPU
+                  and a.self_device_time_total > 0), key=lambda r: -r[1])
+    top = sorted(((n, ms, c // steps) for n, (ms, c) in by_name.items()), key=lambda r: -r[1])
+    print("RESULT " + json.dumps({
+        "wall_ms": wall_ms, "busy_ms": busy / 1e3 / steps, "kernel_ms": sum(by_cat.values()),
+        "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30,
+        "by_cat": dict(by_cat), "top_kernels": top[:40], "top_ops": ops[:30]}))
+
+
+def gemm_bench(emit, shape, mbs, seq):
+    """Separate projections vs one fused matmul: forward Y = X W^T, backward dX = dY W and
+    dW = dY^T X (the separate version also adds the dX of each projection)."""
+    from picotron.presets import resolve_model
+    m = resolve_model(shape)
+    C, I = m["hidden_size"], m["intermediate_size"]
+    kv = m["num_key_value_heads"] * C // m["num_attention_heads"]
+    M = mbs * seq
+    x = torch.randn(M, C, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(15):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+    for name, outs in (("qkv", [C, kv, kv]), ("gate_up", [I, I])):
+        ws = [torch.randn(o, C, device="cuda", dtype=torch.bfloat16) * 0.02 for o in outs]
+        wcat = torch.cat(ws)
+        dys = [torch.randn(M, o, device="cuda", dtype=torch.bfloat16) for o in outs]
+        dycat = torch.cat(dys, dim=1)
+
+        def separate():
+            for w in ws:
+                x @ w.t()
+            dx = dys[0] @ ws[0]
+            for dy, w in zip(dys[1:], ws[1:]):
+                dx = dx + dy @ w
+            for dy in dys:
+                dy.t() @ x
+
+        def fused():
+            x @ wcat.t()
+            dycat @ wcat
+            dycat.t() @ x
+        flops = 6 * M * C * sum(outs)
+        ts, tf = timed(separate), timed(fused)
+        emit(f"  gemm {name:8s} separate {ts:6.3f} ms ({flops / ts / 1e9:.0f} TFLOP/s)  fused "
+             f"{tf:6.3f} ms ({flops / tf / 1e9:.0f} TFLOP/s)  saves {ts - tf:.3f} ms per layer")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
+    p.add_argument("--rows", default="ours liger,hf+liger")
+    p.add_argument("--mbs", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--gemm", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        return profile_row(args)
+    lines = []
+
+    def emit(text):
+        print(text, flush=True)
+        lines.append(text)
+    for shape in args.shapes.split(","):
+        emit(f"== {shape}, mbs {args.mbs}, seq {args.seq}")
+        if args.gemm:
+            gemm_bench(emit, shape, args.mbs, args.seq)
+        for label in args.rows.split(","):
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
+                                   "--shapes", shape, "--mbs", str(args.mbs), "--seq",
+                                   str(args.seq)], capture_output=True, text=True, timeout=300)
+            found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if not found:
+                emit(f"{label}: CRASH {proc.stderr.strip()[-400:]}")
+                continue
+            r = json.loads(found[-1][7:])
+            cats = "  ".join(f"{k} {v:.1f}" for k, v in sorted(r["by_cat"].items(),
+                                                                 key=lambda kv: -kv[1]))
+            emit(f"{label:24s} wall {r['wall_ms']:.1f} ms/step, GPU busy {r['busy_ms']:.1f}, "
+                 f"kernels {r['kernel_ms']:.1f}, peak {r['peak_gb']:.1f} GB\n    {cats}")
+            path = os.path.join(args.out, f"profile_{shape}_{label.replace(' ', '_').replace('+', 'plus')}.txt")
+            with open(path, "w") as f:
+                f.write(f"{label} {shape}\n" + json.dumps(r["by_cat"], indent=1) + "\n")
+                f.write("\n# kernels: ms/step, launches/step, name\n")
+                f.writelines(f"{ms:8.2f} {c:5d}  {n[:160]}\n" for n, ms, c in r["top_kernels"])
+                f.write("\n# aten ops by self device time: ms/step, calls/step, op\n")
+                f.writelines(f"{ms:8.2f} {c:5d}  {n}\n" for n, ms, c in r["top_ops"])
+    with open(os.path.join(args.out, "profile_summary.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
