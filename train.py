@@ -176,7 +176,7 @@ def main(argv=None):
                   "mfu": per_gpu * flops_tok / peak if peak else None,
                   "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time}
         if t.dtype == "float16":
-            record.update(loss_scale=optimizer.scaler.scale, skipped=skipped)
+            record.update(loss_scale=optimizer.scaler.scale, skipped=bool(skipped))
         metrics.write(record)
         if is_logger and (step + 1) % config.logging.log_frequency == 0:
             print(format_step(record), flush=True)

@@ -47,6 +47,9 @@ PEAK = 989.5e12
 OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger": (False, "liger", "liger", False, "none", "sdpa"),
         "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
+        "ours triton": (False, "triton", "liger", False, "none", "sdpa"),
+        "ours triton fp32-master": (True, "triton", "liger", False, "none", "sdpa"),
+        "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
         "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
         "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
         "ours chunked-loss selective": (False, "torch", "chunked", False, "selective", "sdpa")}

@@ -55,7 +55,8 @@ class ModelConfig:
     # auto: flash-attn when installed and on GPU, else sdpa; eager: the plain softmax(QK^T)V.
     attn_implementation: str = "auto"
     # torch: the readable PyTorch ops (reference); liger: liger-kernel's Triton RMSNorm, RoPE
-    # and SwiGLU (CUDA, picotron/ops/liger.py).
+    # and SwiGLU (CUDA, picotron/ops/liger.py); triton: our Triton kernels with fused q/k/v
+    # and gate/up projections (CUDA, picotron/ops/fused.py).
     kernels: str = "torch"
 
 
@@ -78,7 +79,7 @@ class TrainingConfig:
     master_weights: bool = True        # fp32 master weights and AdamW moments (bf16/fp16)
     initial_loss_scale: float = 65536.0  # float16 only: dynamic loss scaling
     loss_scale_window: int = 1000      # good steps before the loss scale doubles
-    use_fused_adam: bool = True        # fused AdamW kernel on CUDA (ignored on CPU)
+    use_fused_adam: bool = True        # one-pass Triton AdamW on CUDA (ignored on CPU)
     val_frequency: int = 0             # steps between val_loss evaluations; 0: never
     # none: logits, then cross-entropy (reference) | chunked: head + loss a chunk of tokens
     # at a time, plain PyTorch | liger: the same with liger-kernel (picotron/ops/loss.py)
@@ -156,7 +157,7 @@ CP_MODES = ("ring", "ulysses")
 DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
-KERNELS = ("torch", "liger")
+KERNELS = ("torch", "liger", "triton")
 FUSED_LOSSES = ("none", "chunked", "liger")
 CHECKPOINTING = ("none", "full", "selective")
 

@@ -89,14 +89,16 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
                                  t.activation_checkpointing, CHECKPOINTING)):
         if value not in allowed:
             errors.append(f"{key}='{value}' must be one of {allowed}")
-    liger = [k for k, v in (("model.kernels", m.kernels), ("training.fused_loss",
-                                                            t.fused_loss)) if v == "liger"]
-    if m.kernels == "liger" and t.activation_checkpointing == "selective":
-        errors.append("training.activation_checkpointing='selective' keeps the matmul outputs, "
-                      "and model.kernels='liger' rotates q and k in place inside them, so the "
-                      "recomputation would rotate twice; use 'full' or model.kernels='torch'")
-    if liger and d.use_cpu:
-        errors.append(f"{' and '.join(liger)}='liger' runs Triton kernels on CUDA GPUs only, "
+    gpu_only = [f"{k}='{v}'" for k, v in (("model.kernels", m.kernels),
+                                           ("training.fused_loss", t.fused_loss))
+                if v in ("liger", "triton")]
+    if m.kernels != "torch" and t.activation_checkpointing == "selective":
+        errors.append(f"training.activation_checkpointing='selective' keeps the matmul outputs "
+                      f"by op name, and model.kernels='{m.kernels}' runs its own autograd "
+                      f"functions (liger rotates q and k in place inside those outputs), so the "
+                      f"recomputation would be wrong; use 'full' or model.kernels='torch'")
+    if gpu_only and d.use_cpu:
+        errors.append(f"{' and '.join(gpu_only)} runs Triton kernels on CUDA GPUs only, "
                       f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
     if t.dtype not in DTYPES:
         errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")

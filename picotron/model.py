@@ -12,10 +12,11 @@ Parallelism never appears here. It reaches the model only through its structure:
 - attention goes through `attention_fn(q, k, v, position_ids)`, which context parallelism
   replaces with ring attention.
 
-Fast paths (`model.kernels`): the norms, RoPE and SwiGLU call their op through `self.kernels`,
-a namespace of functions. The readable PyTorch versions below are the reference and the
-default; `picotron/ops/liger.py` holds the same functions backed by liger-kernel's Triton
-kernels, and tests/test_kernels_gpu.py compares the two.
+Fast paths (`model.kernels`): the norms, the q/k/v projection with RoPE and the SwiGLU input
+projection call their op through `self.kernels`, a namespace of functions. The readable PyTorch
+versions below are the reference and the default; picotron/ops/liger.py ("liger") and
+picotron/ops/fused.py ("triton": fused projections, our Triton kernels) hold the same functions,
+and tests compare each with the reference.
 """
 import importlib.util
 import math
@@ -43,26 +44,36 @@ def layer_norm(x, weight, eps: float):
     return F.layer_norm(x.float(), x.shape[-1:], weight.float(), None, eps).to(x.dtype)
 
 
-def rope(q, k, cos, sin):
-    """RoPE on queries (B, H, T, D) and keys (B, K, T, D) at once."""
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+def project_qkv(x, attn):
+    """x (B, T, C) -> q (B, H, T, D), k and v (B, K, T, D), by the attention's projections.
+    -1 heads: under tensor parallelism the projections hold this rank's heads only."""
+    B, T, _ = x.shape
+    return tuple(proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)
+                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
-def swiglu(gate, up):
-    """silu(gate) * up, the SwiGLU activation (Shazeer 2020)."""
-    return F.silu(gate) * up
+def qkv_rope(x, attn, cos, sin):
+    """The attention's inputs: q, k, v projected from x, RoPE applied to q and k."""
+    q, k, v = project_qkv(x, attn)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-TORCH_KERNELS = types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, rope=rope,
-                                      swiglu=swiglu)
+def swiglu_in(x, mlp):
+    """silu(gate(x)) * up(x), the SwiGLU activation (Shazeer 2020), (B, T, C) -> (B, T, I)."""
+    return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+TORCH_KERNELS = types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm,
+                                      qkv_rope=qkv_rope, swiglu_in=swiglu_in)
 
 
 def resolve_kernels(name: str):
-    """The op namespace for `model.kernels`: "torch" (the reference above) or "liger"."""
+    """The op namespace for `model.kernels`: "torch" (the reference above), "liger" or
+    "triton"; the fast ones import their packages only when asked."""
     if name == "torch":
         return TORCH_KERNELS
-    from picotron.ops.liger import liger_kernels    # imports liger-kernel only when asked
-    return liger_kernels()
+    from picotron.ops import fused, liger
+    return liger.liger_kernels() if name == "liger" else fused.triton_kernels()
 
 
 class RMSNorm(nn.Module):
@@ -75,12 +86,7 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, kernels=TORCH_KERNELS):
-        super().__init__()
-        self.eps, self.kernels = eps, kernels
-        self.weight = nn.Parameter(torch.ones(dim))
-
+class LayerNorm(RMSNorm):          # the same gain parameter; a mean-centred norm
     def forward(self, x):
         return self.kernels.layer_norm(x, self.weight, self.eps)
 
@@ -155,11 +161,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, position_ids):
         B, T, _ = x.shape
-        # -1 heads: under tensor parallelism the projections hold this rank's heads only.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, K, T, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, K, T, D)
-        q, k = self.kernels.rope(q, k, cos, sin)
+        q, k, v = self.kernels.qkv_rope(x, self, cos, sin)       # (B, H|K, T, D), q k rotated
         out = self.attention_fn(q, k, v, position_ids)                      # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))          # (B, T, C)
 
@@ -175,7 +177,7 @@ class MLP(nn.Module):
         self.kernels = kernels
 
     def forward(self, x):
-        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.kernels.swiglu_in(x, self))
 
 
 class DecoderLayer(nn.Module):

@@ -12,12 +12,15 @@ must also be as close to an fp64 reference as the bf16 reference is, within a fa
 (plus bf16's own step), so a fast path cannot be "close to the reference" by sharing its
 error.
 """
+import types
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from picotron.config import ModelConfig
-from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, materialize, rope_cos_sin,
-                            sdpa_attention)
+from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, materialize,
+                            resolve_kernels, rope_cos_sin, sdpa_attention)
 from picotron.ops.loss import LinearCrossEntropy, chunked_linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,42 +49,61 @@ def check(fast, ref, inputs, dy):
         assert rel_err(g, e) < 2 * rel_err(w, e) + 4e-3, (i, rel_err(g, e), rel_err(w, e))
 
 
-@pytest.fixture(scope="module")
-def liger():
-    pytest.importorskip("liger_kernel")
-    from picotron.ops.liger import liger_kernels
-    return liger_kernels()
+@pytest.fixture(scope="module", params=["liger", "triton"])
+def fast(request):
+    """Each fast op namespace (model.kernels), against TORCH_KERNELS."""
+    if request.param == "liger":
+        pytest.importorskip("liger_kernel")
+    return resolve_kernels(request.param)
 
 
 def randn(*shape):
     return torch.randn(*shape, device="cuda").bfloat16()
 
 
-def test_rms_norm(liger):
+class Linear:
+    """A projection made of a given weight tensor, so that its gradient can be checked."""
+    def __init__(self, weight):
+        self.weight = weight
+
+    def __call__(self, x):
+        return F.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_norms(fast, norm):
     x, w = randn(4, 512, 960), (1 + 0.1 * torch.randn(960, device="cuda")).bfloat16()
-    check(lambda x, w: liger.rms_norm(x, w, 1e-5), lambda x, w: TORCH_KERNELS.rms_norm(x, w, 1e-5),
-          [x, w], [randn(4, 512, 960)])
+    check(lambda x, w: getattr(fast, norm)(x, w, 1e-5),
+          lambda x, w: getattr(TORCH_KERNELS, norm)(x, w, 1e-5), [x, w], [randn(4, 512, 960)])
 
 
 @pytest.mark.parametrize("zigzag", [False, True])
-def test_rope(liger, zigzag):
-    """q, k as the model makes them: (B, T, H, D) projections viewed as (B, H, T, D); positions
-    0..T-1, or two distant chunks as a context-parallel rank holds them."""
+def test_qkv_rope(fast, zigzag):
+    """q, k, v projected from x and q, k rotated, at 360M's head counts (15 / 5 kv heads, D 64);
+    positions 0..T-1, or two distant chunks as a context-parallel rank holds them."""
     B, T = 2, 256
     pos = torch.arange(T, device="cuda")
     if zigzag:
         pos = torch.cat([pos[:T // 2], pos[T // 2:] + 1000])
     cos, sin = rope_cos_sin(pos.expand(B, T), 64, 10000.0, torch.bfloat16)
-    q, k = randn(B, T, 15, 64).transpose(1, 2), randn(B, T, 5, 64).transpose(1, 2)
-    dq, dk = randn(B, 15, T, 64), randn(B, 5, T, 64)
-    # `+ 0`: a non-leaf with the same strides, like the projection output (liger rotates in place)
-    check(lambda q, k: liger.rope(q + 0, k + 0, cos, sin),
-          lambda q, k: TORCH_KERNELS.rope(q, k, cos, sin), [q, k], [dq, dk])
+    ws = [0.03 * randn(n, 960) for n in (960, 320, 320)]
+
+    def via(kernels):
+        def f(x, wq, wk, wv):
+            attn = types.SimpleNamespace(head_dim=64, q_proj=Linear(wq), k_proj=Linear(wk),
+                                         v_proj=Linear(wv))
+            return kernels.qkv_rope(x, attn, cos, sin)
+        return f
+    check(via(fast), via(TORCH_KERNELS), [randn(B, T, 960)] + ws,
+          [randn(B, 15, T, 64), randn(B, 5, T, 64), randn(B, 5, T, 64)])
 
 
-def test_swiglu(liger):
-    check(liger.swiglu, TORCH_KERNELS.swiglu, [randn(4, 512, 2560), randn(4, 512, 2560)],
-          [randn(4, 512, 2560)])
+def test_swiglu_in(fast):
+    def via(kernels):
+        return lambda x, wg, wu: kernels.swiglu_in(
+            x, types.SimpleNamespace(gate_proj=Linear(wg), up_proj=Linear(wu)))
+    check(via(fast), via(TORCH_KERNELS), [randn(4, 512, 960), 0.03 * randn(2560, 960),
+                                          0.03 * randn(2560, 960)], [randn(4, 512, 2560)])
 
 
 @pytest.mark.parametrize("impl", ["chunked", "liger"])
@@ -105,16 +127,18 @@ def test_fused_loss(impl):
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_model_with_liger_matches_torch(liger, checkpointing):
+@pytest.mark.parametrize("kernels", ["liger", "triton"])
+def test_model_with_fast_kernels_matches_torch(kernels, checkpointing):
     """A 4-layer model at 360M's widths, bf16, the same weights: logits and every gradient of
-    the kernels="liger" + fused-loss path against the reference path."""
+    the fast kernels + liger fused-loss path against the reference path."""
+    pytest.importorskip("liger_kernel")
     cfg = dict(vocab_size=4096, hidden_size=960, intermediate_size=2560, num_hidden_layers=4,
                num_attention_heads=15, num_key_value_heads=5)
     ids = torch.randint(0, 4096, (2, 512), device="cuda")
     out = {}
-    for name, kernels, ckpt in (("ref", "torch", "none"), ("fast", "liger", checkpointing)):
+    for name, ops, ckpt in (("ref", "torch", "none"), ("fast", kernels, checkpointing)):
         with torch.device("meta"):
-            model = Decoder(ModelConfig(**cfg, kernels=kernels, tie_word_embeddings=True),
+            model = Decoder(ModelConfig(**cfg, kernels=ops, tie_word_embeddings=True),
                             sdpa_attention, ckpt)
         materialize(model, 1, "cuda", torch.bfloat16)
         if name == "ref":

@@ -8,7 +8,8 @@ embedding last). Each bucket owns two flat buffers, and every parameter is a vie
     bucket.grads   (numel,) fp32                      p.main_grad = grads[offset : offset + n]
 
 A hook after each parameter's gradient is accumulated adds it into `main_grad` (fp32, so bf16
-and fp16 models accumulate micro-batches exactly) and frees `p.grad`. On the last micro-batch,
+and fp16 models accumulate micro-batches exactly; the step's first gradient is copied, which
+spares zeroing the buffer) and frees `p.grad`. On the last micro-batch,
 the moment a bucket's last gradient arrives, its reduction over the cp_dp group is launched
 asynchronously, so communication overlaps the rest of backward (PyTorch DDP, Li et al. 2020).
 `finish()` waits for what is still in flight.
@@ -89,6 +90,7 @@ class GradBuckets:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.members}
         self._sync = False
         self.launch_log = []        # (bucket index, gradients ready so far): overlap evidence
+        self.fresh = {id(p) for p in params}    # main_grad not yet written this step
         self._ready_total = 0
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -118,16 +120,21 @@ class GradBuckets:
             b.ready = 0
 
     def zero_grad(self):
+        """Nothing is written: each parameter's first gradient of the next step is copied over
+        the old values (see _on_grad_ready), and finish() zeroes those that got none."""
+        self.fresh = {id(p) for b in self.buckets for p in b.members}
         for b in self.buckets:
-            if b.grads is not None:
-                b.grads.zero_()
             b.ready, b.work, b.launched = 0, None, False
         self.launch_log, self._ready_total, self._sync = [], 0, False
 
     def _on_grad_ready(self, p):
         bucket = self.bucket_of[id(p)]
         bucket.grad_buffer()
-        p.main_grad.add_(p.grad)         # fp32 accumulation across micro-batches
+        if id(p) in self.fresh:          # first gradient this step: copy (no zeroing pass)
+            p.main_grad.copy_(p.grad)
+            self.fresh.discard(id(p))
+        else:
+            p.main_grad.add_(p.grad)     # fp32 accumulation across micro-batches
         p.grad = None
         self._ready_total += 1
         bucket.ready += 1
@@ -144,9 +151,9 @@ class GradBuckets:
         grads = bucket.grad_buffer()
         if bucket.sum_group is not None:     # partial gradients of one weight: add them first
             dist.all_reduce(grads, group=bucket.sum_group)
-        grads.div_(self.size)
         if self.size == 1:
             return
+        grads.div_(self.size)
         if self.zero_stage == 2:
             bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=torch.float32,
                                             device=grads.device)
@@ -161,6 +168,10 @@ class GradBuckets:
         order, which is the same on every rank."""
         for b in self.buckets:
             if not b.launched:
+                for p in b.members:
+                    if id(p) in self.fresh:     # no gradient this step: it contributes zero
+                        b.grad_buffer()
+                        p.main_grad.zero_()
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:

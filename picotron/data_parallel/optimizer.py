@@ -43,7 +43,7 @@ class DistributedAdamW:
                 master = shard                         # update the parameters in place
             self.masters.insert(0, master)
             self.offloaded.insert(0, offload)
-        self.optimizers = []
+        self.optimizers, self.triton = [], False
         for on_cpu in (False, True):
             mine = [(b, m) for b, m, o in zip(grads.buckets, self.masters, self.offloaded)
                     if o == on_cpu]
@@ -53,10 +53,12 @@ class DistributedAdamW:
                        "weight_decay": t.weight_decay},
                       {"params": [m for b, m in mine if not b.weight_decay], "weight_decay": 0.0}]
             groups = [g for g in groups if g["params"]]
-            fused = t.use_fused_adam and mine[0][1].device.type == "cuda"
+            # On a GPU with use_fused_adam, picotron/ops/triton_adamw.py steps these tensors
+            # (this AdamW then only holds groups and state); otherwise torch's foreach AdamW.
+            self.triton = t.use_fused_adam and mine[0][1].device.type == "cuda" or self.triton
             self.optimizers.append(torch.optim.AdamW(
                 groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                fused=fused, foreach=None if fused else True))
+                foreach=True))
 
     def global_grad_norm(self):
         """L2 norm of the whole model's gradient, from this rank's shards.
@@ -66,9 +68,11 @@ class DistributedAdamW:
         Buckets marked `norm_skip` (the second copy of a tied weight) are left out."""
         device = self.grads.buckets[0].params.device
         sq = torch.zeros(2, dtype=torch.float32, device=device)    # [tp-sharded, replicated]
-        for b in self.grads.buckets:
-            if not b.norm_skip:
-                sq[0 if b.tp_sharded else 1] += self.grads.grad_shard(b).float().pow(2).sum()
+        for i, tp_sharded in enumerate((True, False)):
+            shards = [self.grads.grad_shard(b) for b in self.grads.buckets
+                      if not b.norm_skip and b.tp_sharded == tp_sharded]
+            if shards:                     # one reduction kernel per shard, no squared copy
+                sq[i] = torch.stack(torch._foreach_norm(shards)).square().sum()
         pgm = self.pgm
         if self.grads.shards > 1:
             dist.all_reduce(sq, group=pgm.cp_dp_group)
@@ -83,28 +87,49 @@ class DistributedAdamW:
         """Unscale, clip to training.max_grad_norm, step, share the updated shards.
 
         Returns (grad norm, skipped). With fp16 loss scaling a non-finite norm (some rank
-        overflowed: the norm is reduced over every axis, so all ranks agree) skips the step."""
+        overflowed: the norm is reduced over every axis, so all ranks agree) skips the step.
+        On the Triton path without loss scaling, `skipped` is a device bool: nothing here waits
+        for the norm, and the kernel itself skips a non-finite step."""
         scale = self.scaler.scale
         norm = self.global_grad_norm() / scale
-        if not torch.isfinite(norm).item():
-            self.scaler.update(overflow=True)
-            return norm, True
-        self.scaler.update(overflow=False)
+        finite = torch.isfinite(norm)
+        skipped = ~finite                          # a device bool on the Triton path
+        if self.scaler.enabled or not self.triton:
+            # The host decides (a sync): fp16's scaler needs to know, and the torch path cannot
+            # skip on the device. The Triton path skips on the device and never waits here.
+            if not finite.item():
+                self.scaler.update(overflow=True)
+                return norm, True
+            self.scaler.update(overflow=False)
+            skipped = False
         max_norm = self.config.training.max_grad_norm
-        clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else 1.0
-        for b, master, offload in zip(self.grads.buckets, self.masters, self.offloaded):
-            g = self.grads.grad_shard(b).mul_(clip / scale)
-            master.grad = g.to(device=master.device, dtype=master.dtype)
+        clip = (torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0
+                else torch.ones_like(norm))
+        scalars = torch.stack([clip / scale, (~finite).float()])   # read by the Triton kernel
+        on_device, writes = {}, {}
+        for b, master, shard, offload in zip(self.grads.buckets, self.masters,
+                                             self.param_shards, self.offloaded):
+            g = self.grads.grad_shard(b)
+            if self.triton and not offload:
+                on_device[master] = g                 # unscaled: the kernel multiplies
+                if master is not shard:
+                    writes[master] = shard
+            else:
+                master.grad = g.mul_(scalars[0]).to(device=master.device, dtype=master.dtype)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
-            opt.step()
-        for master, shard in zip(self.masters, self.param_shards):
+            if self.triton and opt is self.optimizers[0]:
+                from picotron.ops.triton_adamw import adamw_step    # needs triton and a GPU
+                adamw_step(opt, on_device, writes, scalars)
+            else:
+                opt.step()
+        for master, shard, offload in zip(self.masters, self.param_shards, self.offloaded):
             master.grad = None
-            if master is not shard:
+            if master is not shard and not (self.triton and not offload):
                 shard.copy_(master, non_blocking=True)
         self.grads.all_gather_params()
-        return norm, False
+        return norm, skipped
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: moments plus master copies."""

@@ -2,6 +2,9 @@
 that stays the default and the test oracle.
 
     liger.py      model.kernels = "liger": RMSNorm, RoPE, SwiGLU from liger-kernel (Triton)
+    fused.py      model.kernels = "triton": our Triton kernels and fused projections
+                  (triton_norms.py, triton_rope.py, triton_swiglu.py, fused_linear.py)
+    triton_adamw.py  training.use_fused_adam on a GPU: AdamW in one pass per gradient shard
     loss.py       training.fused_loss: the head and the cross-entropy without full logits
     recompute.py  training.activation_checkpointing: none | full | selective, per layer
 """

@@ -1,8 +1,8 @@
 """`model.kernels = "liger"`: the model's pointwise ops from liger-kernel's Triton kernels
 (Hsu et al. 2024, https://github.com/linkedin/Liger-Kernel), CUDA only.
 
-Same names and signatures as the references in model.py (`rms_norm`, `layer_norm`, `rope`,
-`swiglu`); tests/test_kernels_gpu.py compares each with its reference, forward and backward.
+Same names and signatures as the references in model.py (`rms_norm`, `layer_norm`, `qkv_rope`,
+`swiglu_in`); tests/test_kernels_gpu.py compares each with its reference, forward and backward.
 What each saves over the reference, per layer, with N = B*T tokens:
 - rms_norm: one kernel instead of ~6 (upcast, square, mean, rsqrt, scale, gain), and backward
   keeps only the input and one fp32 rstd per token, not the fp32 copies.
@@ -14,7 +14,7 @@ LayerNorm (PaLM-style option) stays on F.layer_norm, already one fused kernel.
 """
 import types
 
-from picotron.model import layer_norm
+from picotron.model import layer_norm, project_qkv
 
 
 def liger_kernels():
@@ -30,9 +30,13 @@ def liger_kernels():
         # the reference's order. in_place=False: never overwrite an incoming gradient.
         return liger_rms_norm(x, weight, eps, 0.0, "llama", False)
 
-    def rope(q, k, cos, sin):
+    def qkv_rope(x, attn, cos, sin):
         # q (B, H, T, D), k (B, K, T, D) views of (B, T, H, D) projections; cos, sin (B, T, D)
-        return liger_rope(q, k, cos, sin)
+        q, k, v = project_qkv(x, attn)
+        return (*liger_rope(q, k, cos, sin), v)
 
-    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, rope=rope,
-                                 swiglu=liger_swiglu)
+    def swiglu_in(x, mlp):
+        return liger_swiglu(mlp.gate_proj(x), mlp.up_proj(x))
+
+    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, qkv_rope=qkv_rope,
+                                 swiglu_in=swiglu_in)

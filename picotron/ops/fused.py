@@ -1,0 +1,35 @@
+"""`model.kernels = "triton"`: picotron's own Triton kernels, with the projections fused.
+
+    rms_norm, layer_norm   triton_norms.py: one pass each way, a tiled weight-gradient sum
+    qkv_rope               one matmul for q, k and v (fused_linear.py), then RoPE straight out
+                           of the packed rows into contiguous q, k, v (triton_rope.py)
+    swiglu_in              one matmul for gate and up, SwiGLU on the packed result
+                           (triton_swiglu.py)
+
+The projections stay separate named parameters (checkpoints and tensor-parallel shards are
+laid out by them); their weights are concatenated at run time, a copy of a few MB per layer
+against 30-70 MB activations. Under tensor parallelism each rank concatenates its own column
+shards, which are exactly its heads' q, k, v rows and its slice of gate and up. Why fuse
+(H200, 16 x 2048 tokens, bench/profile_step.py --gemm): at 360M's widths the q, k, v products
+forward and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1.39 -> 1.29 ms.
+"""
+import types
+
+from picotron.ops.fused_linear import fused_linear
+
+
+def triton_kernels():
+    from picotron.ops.triton_norms import layer_norm, rms_norm
+    from picotron.ops.triton_rope import qkv_rope as rope_packed
+    from picotron.ops.triton_swiglu import swiglu_packed
+
+    def qkv_rope(x, attn, cos, sin):
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        heads, kv_heads = (w.shape[0] // attn.head_dim for w in weights[:2])   # this rank's
+        return rope_packed(fused_linear(x, weights), cos, sin, heads, kv_heads)
+
+    def swiglu_in(x, mlp):
+        return swiglu_packed(fused_linear(x, [mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, qkv_rope=qkv_rope,
+                                 swiglu_in=swiglu_in)

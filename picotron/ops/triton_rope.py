@@ -1,0 +1,92 @@
+"""RoPE straight out of the fused q/k/v projection, in one Triton kernel each way.
+
+`model.kernels = "triton"` computes q, k and v with one matmul (picotron/ops/fused_linear.py):
+qkv (B, T, (H + 2K) * D), each token's row holding its H query heads, then K key heads, then K
+value heads. `qkv_rope` reads that row once and writes three contiguous tensors:
+
+    q (B, T, H, D) rotated,  k (B, T, K, D) rotated,  v (B, T, K, D) copied
+
+returned as (B, H, T, D) / (B, K, T, D) views, the layout attention takes (SDPA's flash and
+cuDNN kernels read (B, T, H, D) memory through those strides). The packed qkv is not kept:
+backward needs only cos and sin, and writes d(qkv) packed, which is what the fused
+projection's backward consumes. Against the reference (separate projections, then
+`model.apply_rope`: a rotated copy, two products and a sum per tensor) it saves the three
+extra passes each way; against liger's RoPE (in place on q and k) it saves the copies that make
+q and k contiguous when they are slices of one packed row.
+
+Rotation (model.apply_rope, pairs (i, i + D/2)): with x = (x1, x2) and c, s split the same way,
+    out1 = x1 c1 - x2 s1,   out2 = x2 c2 + x1 s2
+    dx1 = d1 c1 + d2 s2,    dx2 = d2 c2 - d1 s1
+computed in fp32, rounded once to the input dtype.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, src_stride, dst_stride, heads, HALF,
+               BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate (or, BACKWARD, un-rotate the gradient of) `heads` heads of one token's row."""
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]                      # (BLOCK_H, 1)
+    i = tl.arange(0, BLOCK_HALF)[None, :]                   # (1, D/2 rounded up to 2^n)
+    mask = (h < heads) & (i < HALF)
+    cs = token * 2 * HALF + i
+    c1 = tl.load(cos_ptr + cs, mask=i < HALF).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=i < HALF).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=i < HALF).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=i < HALF).to(tl.float32)
+    src = src_ptr + token * src_stride + h * 2 * HALF + i
+    x1 = tl.load(src, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
+    if BACKWARD:
+        y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    else:
+        y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    dst = dst_ptr + token * dst_stride + h * 2 * HALF + i
+    tl.store(dst, y1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(src, dst, cos, sin, heads, backward):
+    """Rows of src (N, heads*D, any row stride) -> rows of dst, rotated; cos, sin (N, D)."""
+    n, half = cos.shape[0], cos.shape[1] // 2
+    _rope_rows[(n,)](src, dst, cos, sin, src.stride(0), dst.stride(0), heads, half,
+                     BACKWARD=backward, BLOCK_H=triton.next_power_of_2(heads),
+                     BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+
+
+class QKVRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, num_heads: int, num_kv_heads: int):
+        B, T, width = qkv.shape
+        D = cos.shape[-1]
+        H, K = num_heads, num_kv_heads
+        rows = qkv.reshape(B * T, width)                     # a view: qkv is a fresh matmul out
+        cos, sin = cos.reshape(B * T, D).contiguous(), sin.reshape(B * T, D).contiguous()
+        q = torch.empty(B * T, H * D, dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty(B * T, K * D, dtype=qkv.dtype, device=qkv.device)
+        _launch(rows, q, cos, sin, H, backward=False)
+        _launch(rows[:, H * D:], k, cos, sin, K, backward=False)
+        v = rows[:, (H + K) * D:].contiguous()
+        ctx.save_for_backward(cos, sin)
+        ctx.shape = (B, T, H, K, D)
+        return tuple(t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        B, T, H, K, D = ctx.shape
+        d_qkv = torch.empty(B * T, (H + 2 * K) * D, dtype=dq.dtype, device=dq.device)
+        # the incoming gradients are (B, H, T, D) views; the kernel wants token rows
+        dq, dk = (g.transpose(1, 2).reshape(B * T, -1) for g in (dq, dk))
+        _launch(dq, d_qkv, cos, sin, H, backward=True)
+        _launch(dk, d_qkv[:, H * D:], cos, sin, K, backward=True)
+        d_qkv[:, (H + K) * D:] = dv.transpose(1, 2).reshape(B * T, K * D)
+        return d_qkv.view(B, T, -1), None, None, None, None
+
+
+def qkv_rope(qkv, cos, sin, num_heads: int, num_kv_heads: int):
+    """qkv (B, T, (H+2K)*D), cos/sin (B, T, D) -> q (B, H, T, D), k, v (B, K, T, D)."""
+    return QKVRope.apply(qkv, cos, sin, num_heads, num_kv_heads)
