@@ -1,0 +1,171 @@
+"""RMSNorm and bias-free LayerNorm as our own Triton kernels, forward and backward.
+
+Same signatures and numerics as `rms_norm` and `layer_norm` in model.py, which stay the
+readable references and the test oracle (tests/test_triton_norms.py, on CPU through Triton's
+interpreter and on CUDA). Shapes: x (..., C) is viewed as N rows of C, N = B*T tokens.
+
+What they save:
+- over the references: one kernel each way instead of ~6 (upcast, square, mean, rsqrt, scale,
+  gain), and backward keeps x and one fp32 rstd (and mean) per row, not fp32 copies of x.
+- over liger-kernel's RMSNorm: its backward runs one program per SM that walks the rows one at
+  a time, so each SM has one row of x and dy (~4-8 KB) in flight, and takes 3-4x the time of
+  the memory traffic (0.22 ms at (32768, 960) bf16 on an H200, for ~190 MB read and written,
+  i.e. ~0.05 ms at ~4 TB/s). Here each program loads a tile of BLOCK_M rows at once, several
+  programs share each SM, and each keeps its weight-gradient partial in fp32 registers.
+Measured numbers: to be measured with bench/bench_kernels.py.
+
+Numerics (as the references): statistics in fp32. RMSNorm uses Llama's casting, (x * rstd)
+rounded to x's dtype THEN times the weight, so its output has dtype promote(x, weight).
+LayerNorm computes in fp32 with the weight upcast and returns x's dtype. Gradients are
+computed in fp32 from x (never from the rounded output) and rounded once.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_C = 8192   # one row must fit in one tile of registers
+
+
+@triton.jit
+def _norm_fwd(x_ptr, w_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, C, x_stride, eps,
+              RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program normalises BLOCK_M rows: x (BLOCK_M, BLOCK_C) -> y, rstd (and mean)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok, col_ok = rows < n_rows, cols < C
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)   # row * stride can pass 2^31 elements
+    x_in = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    x = x_in.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if RMS:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / C + eps)
+        # "llama" casting: x * rstd rounded to x's dtype before the gain, as the reference
+        xhat = (x * rstd[:, None]).to(x_in.dtype).to(tl.float32)
+    else:
+        mean = tl.sum(x, axis=1) / C
+        xc = tl.where(mask, x - mean[:, None], 0.0)   # padding columns must not count
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / C + eps)
+        xhat = xc * rstd[:, None]
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+    y = xhat * w[None, :]
+    tl.store(y_ptr + rows64[:, None] * C + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _norm_bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, mean_ptr, rstd_ptr, n_rows, C, x_stride,
+              dy_stride, RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program p takes row blocks p, p + P, p + 2P, ... (P programs): for each, it writes dx
+    (BLOCK_M, C) and adds sum_rows(dy * xhat) to its fp32 dweight partial, stored at the end
+    as row p of dw (P, C). With g = dy * w and xhat the normalised x (fp32, per row):
+      RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))
+      LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))"""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    # `while`, not `for ... in range(...)`: Triton 3.6's interpreter cannot take a range with
+    # run-time bounds under numpy >= 2.4 (triton-lang/triton#9171); compiled, both are a loop
+    start = pid * BLOCK_M
+    while start < n_rows:
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x_in = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+        x = x_in.to(tl.float32)
+        dy = tl.load(dy_ptr + rows64[:, None] * dy_stride + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)   # 0 on rows past the end
+        g = dy * w[None, :]
+        if RMS:
+            xhat = x * rstd[:, None]
+            # y = w * round(xhat): the weight saw the rounded xhat, as in the forward
+            dw += tl.sum(dy * xhat.to(x_in.dtype).to(tl.float32), axis=0)
+            dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / C)[:, None])
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            dw += tl.sum(dy * xhat, axis=0)
+            dx = rstd[:, None] * (g - (tl.sum(g, axis=1) / C)[:, None]
+                                  - xhat * (tl.sum(g * xhat, axis=1) / C)[:, None])
+        tl.store(dx_ptr + rows64[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+        start += tl.num_programs(0) * BLOCK_M
+    tl.store(dw_ptr + pid * C + cols, dw, mask=col_ok)
+
+
+def _tile(C):
+    """(BLOCK_C, BLOCK_M, num_warps) for rows of C. A tile of BLOCK_M x BLOCK_C ~ 4K elements
+    keeps 16 elements per thread per tensor at 8 warps (x, dy and the fp32 temporaries fit in
+    registers without spilling); small C gets more rows per tile, up to 16, so a program still
+    moves ~8-16 KB per load. C = 960 -> (1024, 4, 8), 2048 -> (2048, 2, 8), 8192 -> (8192, 1, 16)."""
+    assert C <= MAX_C, f"C={C}: these kernels hold one row in registers, C <= {MAX_C}"
+    BLOCK_C = triton.next_power_of_2(C)
+    BLOCK_M = min(16, max(1, 4096 // BLOCK_C))
+    num_warps = min(16, max(1, BLOCK_M * BLOCK_C // 512))
+    return BLOCK_C, BLOCK_M, num_warps
+
+
+@functools.lru_cache
+def _max_programs(device):
+    """The backward's grid: a few programs per SM, so that every SM has several tiles in flight
+    and the (P, C) fp32 partials stay small (~1 MB at C = 960). On CPU (the interpreter in
+    tests) a small fixed number, so a short test already walks several row blocks per program."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _rows(t):
+    """t (..., C) as an (N, C) view with unit column stride; copies only when no such view
+    exists (e.g. a (T, B, C) transpose of a (B, T, C) tensor)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, rms):
+        x2d, weight = _rows(x), weight.contiguous()
+        (N, C), dev = x2d.shape, x.device
+        out_dtype = torch.promote_types(x.dtype, weight.dtype) if rms else x.dtype
+        y = torch.empty((N, C), dtype=out_dtype, device=dev)
+        rstd = torch.empty(N, dtype=torch.float32, device=dev)
+        mean = rstd if rms else torch.empty(N, dtype=torch.float32, device=dev)  # RMS: unused
+        BLOCK_C, BLOCK_M, num_warps = _tile(C)
+        _norm_fwd[(triton.cdiv(N, BLOCK_M),)](x2d, weight, y, mean, rstd, N, C, x2d.stride(0),
+                                              eps, RMS=rms, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
+                                              num_warps=num_warps)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.rms = rms
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        dy2d = _rows(dy)
+        (N, C), dev = x2d.shape, x2d.device
+        # a fresh dx, never dy's memory: an incoming gradient may be read elsewhere too
+        dx = torch.empty((N, C), dtype=x2d.dtype, device=dev)
+        BLOCK_C, BLOCK_M, num_warps = _tile(C)
+        programs = max(1, min(_max_programs(dev), triton.cdiv(N, BLOCK_M)))
+        dw = torch.empty((programs, C), dtype=torch.float32, device=dev)   # every row written
+        _norm_bwd[(programs,)](x2d, weight, dy2d, dx, dw, mean, rstd, N, C, x2d.stride(0),
+                               dy2d.stride(0), RMS=ctx.rms, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
+                               num_warps=num_warps)
+        return dx.view(dy.shape), dw.sum(0).to(weight.dtype), None, None
+
+
+def rms_norm(x, weight, eps: float):
+    """x / rms(x) * w with Llama's casting, as model.rms_norm, in one kernel each way."""
+    return _Norm.apply(x, weight, eps, True)
+
+
+def layer_norm(x, weight, eps: float):
+    """LayerNorm with a gain and no bias, as model.layer_norm, in one kernel each way."""
+    return _Norm.apply(x, weight, eps, False)
