@@ -1,0 +1,132 @@
+"""SwiGLU on the packed gate/up projection, in Triton: silu(gate) * up with gate and up the
+two halves of one tensor, as fused_linear(x, [gate_proj.weight, up_proj.weight]) makes it.
+
+    gu (..., 2I): gate = gu[..., :I], up = gu[..., I:]  ->  h = silu(gate) * up  (..., I)
+
+Same math as model.py's `swiglu(gate, up)` (the reference and test oracle), with silu and the
+product in fp32 and one rounding to gu's dtype; the reference rounds silu(gate) to bf16
+before the product, so in bf16 the two differ by about one bf16 step (2^-8 relative) in some
+elements. liger's swiglu kernel cannot be used here: it walks a, b and the output with one
+row stride, so it cannot read two halves of a (N, 2I) tensor into an (N, I) output.
+
+Memory-bound: forward reads 2I and writes I elements per token; backward reads 3I (gate, up,
+dh) and writes 2I. Backward recomputes silu instead of saving it: forward saves gu only.
+
+In-place backward. The gradient d(gu) has gu's shape, and gu is not needed after this
+backward, so backward writes d(gu) over the saved gu (as liger does), saving an N x 2I
+buffer at the moment of peak memory (1 GiB per layer at 1.7B, B*T = 32768, bf16). This is
+safe when nothing else reads gu's values after this backward, which holds when gu is
+fused_linear's output consumed only by this op (fused_linear saves x and its weights, not its
+output). Guards:
+- only a fresh intermediate is overwritten: gu must have a grad_fn, not be a view (its base
+  could be read elsewhere) and be contiguous; otherwise backward writes a new tensor;
+- after the overwrite gu's version counter is bumped, so any autograd node that saved gu (or
+  a view of it) and unpacks it later, or a second backward through this graph
+  (retain_graph=True), raises PyTorch's "modified by an inplace operation" error instead of
+  reading gradients as activations. What autograd cannot see (reading gu in a hook after
+  backward) is not guarded: don't.
+- activation checkpointing recomputes forward in backward, and this op then saves and
+  overwrites the recomputed gu; under "selective" (picotron/ops/recompute.py) that gu shares
+  storage with the saved matmul output, which the recomputation has already handed out and
+  nothing reads again. tests/test_fused_projections.py checks both modes against no
+  checkpointing.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from picotron.model import swiglu
+
+ELEMS = 4096        # elements of h per program: 16 per thread at 8 warps (two 16-byte loads)
+MAX_BLOCK = 512     # columns per program: divides I = 2560 (360M) and 8192 (1.7B), no tail
+
+
+@triton.jit
+def _swiglu_fwd(gu_ptr, h_ptr, n_rows, n_cols, gu_stride, h_stride,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # One (ROWS, BLOCK) tile of h; gate at column c of gu, up at column n_cols + c.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)              # (ROWS,)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)            # (BLOCK,)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)       # (ROWS, BLOCK)
+    rows = rows.to(tl.int64)[:, None]                                # N * 2I may pass 2^31
+    gate_ptrs = gu_ptr + rows * gu_stride + cols[None, :]
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + rows * h_stride + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, n_rows, n_cols, dh_stride, gu_stride, dgu_stride,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # d gate = dh * up * silu'(gate), silu'(g) = s + g s (1 - s) with s = sigmoid(g);
+    # d up = dh * silu(gate). dgu_ptr may equal gu_ptr: each element is read before it is
+    # written, by the same program, and no program reads another's tile.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    rows = rows.to(tl.int64)[:, None]
+    gate_ptrs = gu_ptr + rows * gu_stride + cols[None, :]
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + rows * dh_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    dgate = dh * u * (s + g * s * (1.0 - s))
+    dup = dh * (g * s)
+    out_ptrs = dgu_ptr + rows * dgu_stride + cols[None, :]
+    tl.store(out_ptrs, dgate.to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + n_cols, dup.to(dgu_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(kernel, n_rows, n_cols, *args):
+    """Grid: (row blocks, column blocks). Columns in blocks of up to 512 so that any I works
+    (I = 16384 is 32 blocks); for small I a program takes several rows instead, ~4096
+    elements each either way. Rows on grid axis 0, which allows 2^31 - 1 programs."""
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
+    rows = min(max(1, ELEMS // block), triton.next_power_of_2(n_rows))
+    grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block))
+    kernel[grid](*args, ROWS=rows, BLOCK=block, num_warps=8 if rows * block >= 2048 else 4)
+
+
+class SwiGLUPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu):
+        assert gu.shape[-1] % 2 == 0, f"packed gate/up needs an even last dim, got {gu.shape}"
+        # Overwrite gu in backward only if it is a fresh, contiguous intermediate (see top).
+        ctx.inplace = gu.grad_fn is not None and gu._base is None and gu.is_contiguous()
+        gu2 = gu if gu.stride(-1) == 1 else gu.contiguous()
+        gu2 = gu2.reshape(-1, gu.shape[-1])                             # (N, 2I)
+        n, i2 = gu2.shape
+        h = torch.empty(n, i2 // 2, dtype=gu.dtype, device=gu.device)   # (N, I)
+        if n > 0:
+            _launch(_swiglu_fwd, n, i2 // 2, gu2, h, n, i2 // 2, gu2.stride(0), h.stride(0))
+        ctx.save_for_backward(gu)
+        return h.view(*gu.shape[:-1], i2 // 2)                          # (..., I)
+
+    @staticmethod
+    def backward(ctx, dh):                                              # dh (..., I)
+        (gu,) = ctx.saved_tensors
+        gu2 = gu.reshape(-1, gu.shape[-1]) if gu.stride(-1) == 1 else \
+            gu.contiguous().reshape(-1, gu.shape[-1])                   # (N, 2I)
+        dh2 = dh.reshape(-1, dh.shape[-1])                              # (N, I)
+        if dh2.stride(-1) != 1:
+            dh2 = dh2.contiguous()
+        n, i2 = gu2.shape
+        dgu2 = gu2 if ctx.inplace else torch.empty_like(gu2)            # (N, 2I)
+        if n > 0:
+            _launch(_swiglu_bwd, n, i2 // 2, dh2, gu2, dgu2, n, i2 // 2,
+                    dh2.stride(0), gu2.stride(0), dgu2.stride(0))
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(gu)   # gu now holds d(gu): trip later readers
+        return dgu2.detach().view(gu.shape)
+
+
+def swiglu_packed(gu):
+    """silu(gu[..., :I]) * gu[..., I:], (..., 2I) -> (..., I). Backward may overwrite gu."""
+    return SwiGLUPacked.apply(gu)
+
+
+def swiglu_packed_reference(gu):
+    """The readable version and test oracle: model.py's swiglu on the two halves."""
+    gate, up = gu.chunk(2, dim=-1)
+    return swiglu(gate, up)
