@@ -3,7 +3,7 @@ two halves of one tensor, as fused_linear(x, [gate_proj.weight, up_proj.weight])
 
     gu (..., 2I): gate = gu[..., :I], up = gu[..., I:]  ->  h = silu(gate) * up  (..., I)
 
-Same math as model.py's `swiglu(gate, up)` (the reference and test oracle), with silu and the
+Same math as model.py's `swiglu_in` (F.silu(gate) * up, the reference and test oracle), with silu and the
 product in fp32 and one rounding to gu's dtype; the reference rounds silu(gate) to bf16
 before the product, so in bf16 the two differ by about one bf16 step (2^-8 relative) in some
 elements. liger's swiglu kernel cannot be used here: it walks a, b and the output with one
@@ -32,10 +32,9 @@ output). Guards:
   checkpointing.
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from picotron.model import swiglu
 
 ELEMS = 4096        # elements of h per program: 16 per thread at 8 warps (two 16-byte loads)
 MAX_BLOCK = 512     # columns per program: divides I = 2560 (360M) and 8192 (1.7B), no tail
@@ -127,6 +126,6 @@ def swiglu_packed(gu):
 
 
 def swiglu_packed_reference(gu):
-    """The readable version and test oracle: model.py's swiglu on the two halves."""
+    """The readable version and test oracle: model.py's SwiGLU on the two halves."""
     gate, up = gu.chunk(2, dim=-1)
-    return swiglu(gate, up)
+    return F.silu(gate) * up
