@@ -82,10 +82,19 @@ def profile_row(args):
         by_cat[category(e.name)] += us / 1e3 / steps
         by_name[e.name][0] += us / 1e3 / steps
         by_name[e.name][1] += 1
-        intervals.append((e.time_range.start, e.time_range.end))
+        intervals.append((e.time_range.start, e.time_range.end, e.name))
     intervals.sort()
+    # Idle gaps: where the GPU waited for the CPU, with the kernels on either side and the
+    # gap's position in the profiled window (0 = first kernel, 1 = last).
+    t0, t1 = intervals[0][0], max(t for _, t, _ in intervals)
+    gaps, reach = [], intervals[0][1]
+    for (s, t, name), (_, _, prev) in zip(intervals[1:], intervals):
+        if s - reach > 20:
+            gaps.append((s - reach, round((reach - t0) / (t1 - t0), 3), prev[:60], name[:60]))
+        reach = max(reach, t)
+    gaps.sort(key=lambda g: -g[0])
     busy, cur_s, cur_e = 0.0, None, None
-    for s, t in intervals:                      # union of kernel intervals (several streams)
+    for s, t, _ in intervals:                   # union of kernel intervals (several streams)
         if cur_e is None or s > cur_e:
             busy += 0 if cur_e is None else cur_e - cur_s
             cur_s, cur_e = s, t
@@ -99,7 +108,9 @@ def profile_row(args):
     print("RESULT " + json.dumps({
         "wall_ms": wall_ms, "busy_ms": busy / 1e3 / steps, "kernel_ms": sum(by_cat.values()),
         "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30,
-        "by_cat": dict(by_cat), "top_kernels": top[:40], "top_ops": ops[:30]}))
+        "by_cat": dict(by_cat), "top_kernels": top[:40], "top_ops": ops[:30],
+        "gaps_ms": sum(g[0] for g in gaps) / 1e3 / steps, "n_gaps": len(gaps) // steps,
+        "top_gaps": gaps[:25]}))
 
 
 def gemm_bench(emit, shape, mbs, seq):
@@ -182,12 +193,15 @@ def main():
             cats = "  ".join(f"{k} {v:.1f}" for k, v in sorted(r["by_cat"].items(),
                                                                  key=lambda kv: -kv[1]))
             emit(f"{label:24s} wall {r['wall_ms']:.1f} ms/step, GPU busy {r['busy_ms']:.1f}, "
-                 f"kernels {r['kernel_ms']:.1f}, peak {r['peak_gb']:.1f} GB\n    {cats}")
+                 f"kernels {r['kernel_ms']:.1f}, peak {r['peak_gb']:.1f} GB\n    {cats}\n"
+                 f"    idle gaps > 20 us: {r['n_gaps']} per step, {r['gaps_ms']:.1f} ms")
             path = os.path.join(args.out, f"profile_{shape}_{label.replace(' ', '_').replace('+', 'plus')}.txt")
             with open(path, "w") as f:
                 f.write(f"{label} {shape}\n" + json.dumps(r["by_cat"], indent=1) + "\n")
                 f.write("\n# kernels: ms/step, launches/step, name\n")
                 f.writelines(f"{ms:8.2f} {c:5d}  {n[:160]}\n" for n, ms, c in r["top_kernels"])
+                f.write("\n# largest idle gaps: us, position in window, kernel before -> after\n")
+                f.writelines(f"{g:8.0f} {p:6.3f}  {a} -> {b}\n" for g, p, a, b in r["top_gaps"])
                 f.write("\n# aten ops by self device time: ms/step, calls/step, op\n")
                 f.writelines(f"{ms:8.2f} {c:5d}  {n}\n" for n, ms, c in r["top_ops"])
     with open(os.path.join(args.out, "profile_summary.txt"), "w") as f:

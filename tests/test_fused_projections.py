@@ -28,12 +28,15 @@ def on_cuda(*case):
     return pytest.param("cuda", *case, marks=pytest.mark.skipif(not CUDA, reason="needs a GPU"))
 
 
+# the small cases run in the interpreter on CPU, and on the GPU where there is one (Triton
+# cannot take CPU tensors once it compiles for a GPU)
+SMALL = "cuda" if CUDA else "cpu"
 # (device, x shape, output sizes of the fused weights)
-LINEAR_CASES = [("cpu", (2, 5, 36), (36, 12, 12)), ("cpu", (2, 5, 36), (24, 24)),
-                ("cpu", (7, 36), (5,)),
+LINEAR_CASES = [(SMALL, (2, 5, 36), (36, 12, 12)), (SMALL, (2, 5, 36), (24, 24)),
+                (SMALL, (7, 36), (5,)),
                 on_cuda((16, 2048, 960), (960, 320, 320)), on_cuda((16, 2048, 960), (2560, 2560))]
 # (device, gu shape): I = 24, odd 37, 600 = two column blocks of 512 with a tail; 360M's 2560
-SWIGLU_CASES = [("cpu", (2, 5, 48)), ("cpu", (2, 5, 74)), ("cpu", (1, 3, 1200)),
+SWIGLU_CASES = [(SMALL, (2, 5, 48)), (SMALL, (2, 5, 74)), (SMALL, (1, 3, 1200)),
                 on_cuda((16, 2048, 5120))]
 
 

@@ -26,8 +26,11 @@ import triton.language as tl
 
 @triton.jit
 def _rope_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, src_stride, dst_stride, heads, HALF,
-               BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate (or, BACKWARD, un-rotate the gradient of) `heads` heads of one token's row."""
+               ROTATE: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_HALF: tl.constexpr):
+    """Rotate (or, BACKWARD, un-rotate the gradient of) `heads` heads of one token's row;
+    without ROTATE, copy them (v: torch's strided copy of a column slice ran at a third of
+    this kernel's bandwidth on the H200)."""
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]                      # (BLOCK_H, 1)
     i = tl.arange(0, BLOCK_HALF)[None, :]                   # (1, D/2 rounded up to 2^n)
@@ -40,7 +43,9 @@ def _rope_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, src_stride, dst_stride, heads
     src = src_ptr + token * src_stride + h * 2 * HALF + i
     x1 = tl.load(src, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
-    if BACKWARD:
+    if not ROTATE:
+        y1, y2 = x1, x2
+    elif BACKWARD:
         y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
     else:
         y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
@@ -49,11 +54,11 @@ def _rope_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, src_stride, dst_stride, heads
     tl.store(dst + HALF, y2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(src, dst, cos, sin, heads, backward):
+def _launch(src, dst, cos, sin, heads, backward, rotate=True):
     """Rows of src (N, heads*D, any row stride) -> rows of dst, rotated; cos, sin (N, D)."""
     n, half = cos.shape[0], cos.shape[1] // 2
     _rope_rows[(n,)](src, dst, cos, sin, src.stride(0), dst.stride(0), heads, half,
-                     BACKWARD=backward, BLOCK_H=triton.next_power_of_2(heads),
+                     ROTATE=rotate, BACKWARD=backward, BLOCK_H=triton.next_power_of_2(heads),
                      BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
 
 
@@ -67,9 +72,10 @@ class QKVRope(torch.autograd.Function):
         cos, sin = cos.reshape(B * T, D).contiguous(), sin.reshape(B * T, D).contiguous()
         q = torch.empty(B * T, H * D, dtype=qkv.dtype, device=qkv.device)
         k = torch.empty(B * T, K * D, dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty(B * T, K * D, dtype=qkv.dtype, device=qkv.device)
         _launch(rows, q, cos, sin, H, backward=False)
         _launch(rows[:, H * D:], k, cos, sin, K, backward=False)
-        v = rows[:, (H + K) * D:].contiguous()
+        _launch(rows[:, (H + K) * D:], v, cos, sin, K, backward=False, rotate=False)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (B, T, H, K, D)
         return tuple(t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
@@ -80,10 +86,10 @@ class QKVRope(torch.autograd.Function):
         B, T, H, K, D = ctx.shape
         d_qkv = torch.empty(B * T, (H + 2 * K) * D, dtype=dq.dtype, device=dq.device)
         # the incoming gradients are (B, H, T, D) views; the kernel wants token rows
-        dq, dk = (g.transpose(1, 2).reshape(B * T, -1) for g in (dq, dk))
+        dq, dk, dv = (g.transpose(1, 2).reshape(B * T, -1) for g in (dq, dk, dv))
         _launch(dq, d_qkv, cos, sin, H, backward=True)
         _launch(dk, d_qkv[:, H * D:], cos, sin, K, backward=True)
-        d_qkv[:, (H + K) * D:] = dv.transpose(1, 2).reshape(B * T, K * D)
+        _launch(dv, d_qkv[:, (H + K) * D:], cos, sin, K, backward=True, rotate=False)
         return d_qkv.view(B, T, -1), None, None, None, None
 
 
