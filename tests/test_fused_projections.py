@@ -137,7 +137,7 @@ def test_swiglu_packed(device, shape, dtype, inplace):
 def test_swiglu_inplace_is_guarded():
     """After backward overwrites gu, whoever would still read it through autograd gets
     PyTorch's in-place error, not gradients posing as activations."""
-    gu = torch.randn(2, 5, 48, requires_grad=True)
+    gu = torch.randn(2, 5, 48, device=SMALL, requires_grad=True)
     h = swiglu_packed(gu * 1)
     h.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -153,8 +153,8 @@ def test_mlp_under_activation_checkpointing(mode):
     """down(swiglu_packed(fused_linear(x, [gate, up]))) recomputed in backward gives bitwise
     the output and gradients of no checkpointing, and matches the unfused reference."""
     torch.manual_seed(0)
-    x0, wd = torch.randn(2, 5, 36), torch.randn(36, 24) / 24 ** 0.5
-    wg, wu = torch.randn(24, 36) / 6, torch.randn(24, 36) / 6
+    x0, wd = torch.randn(2, 5, 36, device=SMALL), torch.randn(36, 24, device=SMALL) / 24 ** 0.5
+    wg, wu = torch.randn(24, 36, device=SMALL) / 6, torch.randn(24, 36, device=SMALL) / 6
 
     def mlp(x, wg, wu, wd, fused=True):
         if fused:

@@ -121,7 +121,7 @@ def test_selective_recomputes_pointwise_ops_but_no_matmul():
 
 
 def test_config_checks_name_the_new_keys():
-    for key, bad in (("model.kernels", "triton"), ("training.fused_loss", "yes"),
+    for key, bad in (("model.kernels", "cuda"), ("training.fused_loss", "yes"),
                      ("training.activation_checkpointing", "some")):
         section, name = key.split(".")
         with pytest.raises(ConfigError, match=key):
@@ -130,9 +130,12 @@ def test_config_checks_name_the_new_keys():
         config_from_dict({"model": {"kernels": "liger"}, "distributed": {"use_cpu": True}})
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
         config_from_dict({"training": {"fused_loss": "liger"}, "distributed": {"use_cpu": True}})
-    with pytest.raises(ConfigError, match="rotate twice"):
-        config_from_dict({"model": {"kernels": "liger"},
-                          "training": {"activation_checkpointing": "selective"}})
+    with pytest.raises(ConfigError, match="CUDA GPUs only"):
+        config_from_dict({"model": {"kernels": "triton"}, "distributed": {"use_cpu": True}})
+    for kernels in ("liger", "triton"):
+        with pytest.raises(ConfigError, match="recomputation would be wrong"):
+            config_from_dict({"model": {"kernels": kernels},
+                              "training": {"activation_checkpointing": "selective"}})
 
 
 def test_train_with_fast_paths_matches_reference(tmp_path):
