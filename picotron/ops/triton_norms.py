@@ -100,10 +100,12 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, mean_ptr, rstd_ptr, n_rows, 
 
 
 def _tile(C):
-    """(BLOCK_C, BLOCK_M, num_warps) for rows of C. A tile of BLOCK_M x BLOCK_C ~ 4K elements
-    keeps 16 elements per thread per tensor at 8 warps (x, dy and the fp32 temporaries fit in
-    registers without spilling); small C gets more rows per tile, up to 16, so a program still
-    moves ~8-16 KB per load. C = 960 -> (1024, 4, 8), 2048 -> (2048, 2, 8), 8192 -> (8192, 1, 16)."""
+    """(BLOCK_C, BLOCK_M, num_warps) for rows of C: a tile of BLOCK_M x BLOCK_C = 4K elements
+    on 8 warps, 16 per thread per tensor; small C gets more rows, up to 16. Registers, not rows,
+    bound what an SM has in flight: ptxas (sm_90, Triton 3.6) gives the backward ~60 registers
+    at 8 elements per thread, 105-121 at 16, 185-255 at 32, and spills at 64, so each choice
+    keeps ~8K elements of x and dy per SM in flight; 16 does it with 2 programs per SM.
+    C = 960 -> (1024, 4, 8), 2048 -> (2048, 2, 8), 8192 -> (8192, 1, 16)."""
     assert C <= MAX_C, f"C={C}: these kernels hold one row in registers, C <= {MAX_C}"
     BLOCK_C = triton.next_power_of_2(C)
     BLOCK_M = min(16, max(1, 4096 // BLOCK_C))
@@ -111,14 +113,20 @@ def _tile(C):
     return BLOCK_C, BLOCK_M, num_warps
 
 
+def _programs(device, num_warps, row_blocks):
+    """The backward's grid: 16 warps per SM, the most that stays resident at ~120 registers
+    per thread (64K registers / (128 x 32 lanes)), so all programs run in one wave (or, if a
+    compiler needs more registers, in two equal ones) and the (P, C) fp32 partials stay small
+    (1 MB at C = 960). On CPU (the interpreter, in tests) 4, so a short test already walks
+    several row blocks per program."""
+    per_sm = max(1, 16 // num_warps)
+    slots = 4 if device.type != "cuda" else per_sm * _sm_count(device)
+    return max(1, min(slots, row_blocks))
+
+
 @functools.lru_cache
-def _max_programs(device):
-    """The backward's grid: a few programs per SM, so that every SM has several tiles in flight
-    and the (P, C) fp32 partials stay small (~1 MB at C = 960). On CPU (the interpreter in
-    tests) a small fixed number, so a short test already walks several row blocks per program."""
-    if device.type != "cuda":
-        return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _rows(t):
@@ -153,7 +161,7 @@ class _Norm(torch.autograd.Function):
         # a fresh dx, never dy's memory: an incoming gradient may be read elsewhere too
         dx = torch.empty((N, C), dtype=x2d.dtype, device=dev)
         BLOCK_C, BLOCK_M, num_warps = _tile(C)
-        programs = max(1, min(_max_programs(dev), triton.cdiv(N, BLOCK_M)))
+        programs = _programs(dev, num_warps, triton.cdiv(N, BLOCK_M))
         dw = torch.empty((programs, C), dtype=torch.float32, device=dev)   # every row written
         _norm_bwd[(programs,)](x2d, weight, dy2d, dx, dw, mean, rstd, N, C, x2d.stride(0),
                                dy2d.stride(0), RMS=ctx.rms, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
