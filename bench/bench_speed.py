@@ -5,7 +5,9 @@
 For each shape, seq 2048, micro-batch 16, bf16 parameters, fused AdamW, no accumulation,
 synthetic tokens (the same windows for every run), it times:
 - ours: train.py's own build_model / GradBuckets / DistributedAdamW / loss_function /
-  train_step, as its loop calls them, with the fast options of each row;
+  train_step, as its loop calls them, with the fast options of each row ("ours triton":
+  model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
+  both with liger's fused linear cross-entropy and the one-pass Triton AdamW);
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused

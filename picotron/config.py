@@ -29,6 +29,8 @@ class DistributedConfig:
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
     bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
+    overlap_grad_reduce: bool = True  # start each bucket's reduction during backward (false:
+                                      # all of them after backward; for measuring the overlap)
     offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
     sequence_parallel: bool = False  # with tp: shard norms/residuals along T (Korthikanti 22)
     timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run

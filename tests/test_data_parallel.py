@@ -72,6 +72,10 @@ def test_first_reduction_starts_before_backward_ends(measured):
         assert len(m["launch_log"]) == m["num_buckets"]      # every bucket reduced once
         first_bucket, grads_ready = m["launch_log"][0]
         assert grads_ready < m["num_params"], m["launch_log"]  # launched mid-backward
+    # distributed.overlap_grad_reduce=false: every reduction waits until backward is done
+    m = measured["no_overlap"]
+    assert len(m["launch_log"]) == m["num_buckets"]
+    assert all(ready == m["num_params"] - 1 for _, ready in m["launch_log"]), m["launch_log"]
 
 
 def test_zero_shards_optimizer_state_and_gradients(measured):

@@ -19,9 +19,10 @@ from picotron.model import causal_lm_loss
 from picotron.process_group_manager import ProcessGroupManager
 
 
-def measure(zero_stage, offload, dtype="float32", master_weights=True):
+def measure(zero_stage, offload, dtype="float32", master_weights=True, overlap=True):
     raw = Config().to_dict()
     raw["distributed"].update(dp_size=4, use_cpu=True, zero_stage=zero_stage,
+                              overlap_grad_reduce=overlap,
                               bucket_size_mb=0.05, offload_optim_frac=offload)
     raw["model"].update(hidden_size=64, intermediate_size=160, num_hidden_layers=3)
     raw["training"].update(dtype=dtype, master_weights=master_weights, micro_batch_size=2,
@@ -56,6 +57,7 @@ def main(out_path):
     results["zero1_offload_half"] = measure(1, 0.5)
     results["bf16_master"] = measure(0, 0.0, "bfloat16", True)
     results["bf16_no_master"] = measure(0, 0.0, "bfloat16", False)
+    results["no_overlap"] = measure(0, 0.0, overlap=False)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

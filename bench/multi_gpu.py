@@ -1,0 +1,193 @@
+"""Issues 10 and 11: picotron on several GPUs over NCCL, checked and timed in one call.
+
+    python bench/multi_gpu.py [--gpus N] [--parts parity,throughput] [--out DIR]
+    python bench/multi_gpu.py --cpu --gpus 4 --parts parity     # the same runs on gloo CPU ranks
+
+Runs train.py through torchrun, as a user would, for every layout that fits in N GPUs (default:
+all the machine has; layouts needing more are listed as skipped), and one GPU in the same
+call. Nothing here depends on N: the same command runs on 1, 2 or 8 GPUs.
+
+1. parity: the `debug` model on the embedded corpus, 20 steps, the same global batch of 8
+   micro-batches in every layout (dp x gradient accumulation = 8), fp32 and bf16, each
+   compared with one GPU step by step. fp32 must agree to 1e-5 relative. bf16 has no exact
+   answer, so its tolerance is measured in the same call: the largest loss difference between
+   two one-GPU runs that differ only in how the batch is split (8 x 2 sequences vs 4 x 4); a
+   layout passes within twice that (at least 1e-3).
+2. throughput: bf16, seq 2048, synthetic tokens, model.kernels=triton and liger's fused loss
+   on GPUs: tokens/s/GPU (median of the steps after the 3rd), MFU = tokens/s/GPU x (6N +
+   12 L C T) / 989.5e12, which is also picotron's formula (its utils.get_mfu: 6 x params +
+   12 x layers x heads x head_dim x seq), peak memory per GPU, and the scaling efficiency:
+   tokens/s/GPU over the one-GPU run of the same shape. dp=2 runs with the bucketed
+   all-reduce overlapping backward and without (distributed.overlap_grad_reduce=false): the
+   difference is the time the overlap hides.
+Everything goes to stdout and DIR/multi_gpu.txt; each run's metrics stay under DIR/runs.
+"""
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import create_config  # noqa: E402
+
+# (name, world size, create_config flags): issue 10 takes the 2-GPU rows, issue 11 the 8-GPU ones
+PARITY = [("dp2", 2, ["--dp", "2"]), ("tp2-sp", 2, ["--tp", "2", "--set",
+                                                    "distributed.sequence_parallel=true"]),
+          ("pp2-1f1b", 2, ["--pp", "2", "--pp_engine", "1f1b"]),
+          ("pp2-interleaved", 2, ["--pp", "2", "--pp_engine", "interleaved"]),
+          ("cp2", 2, ["--cp", "2"]),
+          ("2x2x2x1", 8, ["--dp", "2", "--tp", "2", "--pp", "2", "--zero_stage", "1"]),
+          ("2x1x2x2", 8, ["--dp", "2", "--pp", "2", "--cp", "2"]),
+          ("1x2x2x2", 8, ["--tp", "2", "--pp", "2", "--cp", "2"]),
+          ("8x1x1x1", 8, ["--dp", "8", "--zero_stage", "1"])]
+# (name, world size, model, micro-batch, seq, flags); world 1 rows are the baselines
+THROUGHPUT = [
+    ("360M 1 GPU", 1, "SmolLM-360M", 16, 2048, []),
+    ("360M dp2 overlap", 2, "SmolLM-360M", 16, 2048, ["--dp", "2"]),
+    ("360M dp2 no overlap", 2, "SmolLM-360M", 16, 2048,
+     ["--dp", "2", "--set", "distributed.overlap_grad_reduce=false"]),
+    ("360M tp2", 2, "SmolLM-360M", 16, 2048, ["--tp", "2"]),
+    ("1.7B 1 GPU", 1, "SmolLM-1.7B", 16, 2048, []),
+    ("1.7B dp8 zero0", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "8"]),
+    ("1.7B dp8 zero1", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "8", "--zero_stage", "1"]),
+    ("1.7B dp4 tp2", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "4", "--tp", "2"]),
+    ("7B tp8", 8, "Llama-2-7B", 8, 2048, ["--tp", "8"]),
+    ("7B dp2 tp2 pp2", 8, "Llama-2-7B", 4, 2048,
+     ["--dp", "2", "--tp", "2", "--pp", "2", "--grad_acc_steps", "4"]),
+    ("1.7B seq 32k cp8", 8, "SmolLM-1.7B", 1, 32768, ["--cp", "8"]),
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args, name, world, flags, timeout=900):
+    """create_config.py + torchrun train.py; the run's metrics records, or an error string."""
+    out = os.path.join(args.out, "runs")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):      # it prints the config's path
+            path = create_config.main(["--out_dir", out, "--exp_name", name]
+                                      + (["--use_cpu"] if args.cpu else []) + flags)
+    except SystemExit:
+        return "config refused (see the message above)"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--config", path]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return f"TIMEOUT after {timeout} s"
+    if proc.returncode != 0:
+        return f"FAILED rc={proc.returncode}: {proc.stderr.strip()[-600:]}"
+    with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def max_rel_diff(a, b):
+    return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+
+
+def parity(args, emit):
+    base = ["--model_name", "debug", "--total_train_steps", "20", "--seq_len", "64",
+            "--set", "training.warmup_steps=2", "--set", "checkpoint.save_frequency=0"]
+    for dtype in ("float32", "bfloat16"):
+        flags = base + ["--set", f"training.dtype={dtype}"]
+        ref = train(args, f"ref-{dtype}", 1, flags + ["--mbs", "2", "--grad_acc_steps", "8"])
+        if isinstance(ref, str):
+            emit(f"parity {dtype}: one-GPU reference {ref}")
+            continue
+        tol = 1e-5
+        if dtype == "bfloat16":         # the noise of bf16 itself: another split of the batch
+            other = train(args, "ref-bf16-4x4", 1, flags + ["--mbs", "4",
+                                                            "--grad_acc_steps", "4"])
+            noise = max_rel_diff(other, ref) if not isinstance(other, str) else float("nan")
+            tol = max(2 * noise, 1e-3)
+            emit(f"parity bf16: one GPU, 8x2 vs 4x4 split: max rel loss diff {noise:.2e} "
+                 f"-> tolerance {tol:.2e}")
+        for name, world, layout in PARITY:
+            if world > args.gpus:
+                emit(f"parity {dtype} {name:16s} skipped: needs {world} GPUs")
+                continue
+            dp = int(layout[layout.index("--dp") + 1]) if "--dp" in layout else 1
+            run = train(args, f"{name}-{dtype}", world, flags + layout + [
+                "--mbs", "2", "--grad_acc_steps", str(8 // dp)])
+            if isinstance(run, str):
+                emit(f"parity {dtype} {name:16s} {run}")
+                continue
+            diff = max_rel_diff(run, ref)
+            emit(f"parity {dtype} {name:16s} 20 steps, max rel loss diff {diff:.2e} "
+                 f"(tolerance {tol:.0e}): {'PASS' if diff <= tol else 'FAIL'}")
+
+
+def throughput(args, emit):
+    fast = [] if args.cpu else ["--set", "model.kernels=triton", "--set",
+                                f"training.fused_loss={args.fused_loss}"]
+    per_gpu_1 = {}
+    for name, world, model, mbs, seq, layout in THROUGHPUT:
+        if args.only and args.only not in name:
+            continue
+        if world > args.gpus:
+            emit(f"{name:22s} skipped: needs {world} GPUs")
+            continue
+        if args.cpu:        # a dry run of the code path: the debug model, short sequences
+            model, mbs, seq = "debug", 2, 64
+        flags = ["--model_name", model, "--mbs", str(mbs), "--seq_len", str(seq),
+                 "--dataset_name", "synthetic", "--total_train_steps", str(args.steps),
+                 "--set", "training.dtype=bfloat16", "--set", "training.master_weights=false",
+                 "--set", "checkpoint.save_frequency=0"] + fast + layout
+        run = train(args, name.replace(" ", "_"), world, flags)
+        if isinstance(run, str):
+            emit(f"{name:22s} {run}")
+            continue
+        steady = run[3:] or run
+        tps = statistics.median(r["tokens_per_s_per_gpu"] for r in steady)
+        mfu = statistics.median(r["mfu"] or 0.0 for r in steady)
+        peak = max(r["peak_mem_gb"] for r in steady)
+        if world == 1:
+            per_gpu_1[model] = tps
+        scaling = tps / per_gpu_1[model] if model in per_gpu_1 else float("nan")
+        emit(f"{name:22s} {world} GPU  {tps:>9,.0f} tok/s/GPU  MFU {100 * mfu:5.1f}%  "
+             f"peak {peak:6.1f} GB/GPU  scaling efficiency {scaling:.2f}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=None, help="default: every GPU of the machine")
+    p.add_argument("--parts", default="parity,throughput")
+    p.add_argument("--steps", type=int, default=10, help="throughput: steps per run")
+    p.add_argument("--fused_loss", default="liger", help="throughput: training.fused_loss")
+    p.add_argument("--cpu", action="store_true", help="gloo CPU ranks instead of GPUs")
+    p.add_argument("--only", default="", help="throughput: rows whose name contains this")
+    p.add_argument("--out", default=os.environ.get("OUT", "multi_gpu_out"))
+    args = p.parse_args()
+    if args.gpus is None:
+        import torch
+        args.gpus = torch.cuda.device_count() if not args.cpu else 2
+    shutil.rmtree(os.path.join(args.out, "runs"), ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    lines = []
+
+    def emit(text):
+        print(text, flush=True)
+        lines.append(text)
+    emit(f"{args.gpus} {'CPU rank' if args.cpu else 'GPU'}(s); parts: {args.parts}")
+    for part in args.parts.split(","):
+        {"parity": parity, "throughput": throughput}[part](args, emit)
+    with open(os.path.join(args.out, "multi_gpu.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
