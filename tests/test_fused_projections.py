@@ -22,6 +22,9 @@ from picotron.ops.recompute import checkpointed
 from picotron.ops.triton_swiglu import swiglu_packed, swiglu_packed_reference
 
 CUDA = torch.cuda.is_available()
+# Triton kernels run on CPU tensors only in the interpreter (conftest.py sets it when there is
+# no GPU); with a GPU, the small cases run there instead.
+SMALL = "cuda" if CUDA else "cpu"
 
 
 def on_cuda(*case):
@@ -33,7 +36,7 @@ LINEAR_CASES = [("cpu", (2, 5, 36), (36, 12, 12)), ("cpu", (2, 5, 36), (24, 24))
                 ("cpu", (7, 36), (5,)),
                 on_cuda((16, 2048, 960), (960, 320, 320)), on_cuda((16, 2048, 960), (2560, 2560))]
 # (device, gu shape): I = 24, odd 37, 600 = two column blocks of 512 with a tail; 360M's 2560
-SWIGLU_CASES = [("cpu", (2, 5, 48)), ("cpu", (2, 5, 74)), ("cpu", (1, 3, 1200)),
+SWIGLU_CASES = [(SMALL, (2, 5, 48)), (SMALL, (2, 5, 74)), (SMALL, (1, 3, 1200)),
                 on_cuda((16, 2048, 5120))]
 
 
@@ -134,7 +137,7 @@ def test_swiglu_packed(device, shape, dtype, inplace):
 def test_swiglu_inplace_is_guarded():
     """After backward overwrites gu, whoever would still read it through autograd gets
     PyTorch's in-place error, not gradients posing as activations."""
-    gu = torch.randn(2, 5, 48, requires_grad=True)
+    gu = torch.randn(2, 5, 48, device=SMALL, requires_grad=True)
     h = swiglu_packed(gu * 1)
     h.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -150,8 +153,8 @@ def test_mlp_under_activation_checkpointing(mode):
     """down(swiglu_packed(fused_linear(x, [gate, up]))) recomputed in backward gives bitwise
     the output and gradients of no checkpointing, and matches the unfused reference."""
     torch.manual_seed(0)
-    x0, wd = torch.randn(2, 5, 36), torch.randn(36, 24) / 24 ** 0.5
-    wg, wu = torch.randn(24, 36) / 6, torch.randn(24, 36) / 6
+    x0, wd = torch.randn(2, 5, 36, device=SMALL), torch.randn(36, 24, device=SMALL) / 24 ** 0.5
+    wg, wu = torch.randn(24, 36, device=SMALL) / 6, torch.randn(24, 36, device=SMALL) / 6
 
     def mlp(x, wg, wu, wd, fused=True):
         if fused:
