@@ -37,6 +37,9 @@ import triton.language as tl
 
 from picotron.model import swiglu
 
+# On an H200 at N = 32768 tokens (bf16) these reach 4.0 TB/s forward and backward at I = 2560,
+# 4.1 at I = 8192, against 4.1-4.2 TB/s for a plain copy; other tile shapes from 1 x 1024 to
+# 16 x 512 at 4-8 warps were within 2%, and a flat 1-D layout (row = e // I) was 3-5% faster.
 ELEMS = 4096        # elements of h per program: 16 per thread at 8 warps (two 16-byte loads)
 MAX_BLOCK = 512     # columns per program: divides I = 2560 (360M) and 8192 (1.7B), no tail
 
