@@ -22,6 +22,9 @@ from picotron.ops.recompute import checkpointed
 from picotron.ops.triton_swiglu import swiglu_packed, swiglu_packed_reference
 
 CUDA = torch.cuda.is_available()
+# Triton kernels run on CPU tensors only in the interpreter (conftest.py sets it when there is
+# no GPU); with a GPU, the small cases run there instead.
+SMALL = "cuda" if CUDA else "cpu"
 
 
 def on_cuda(*case):

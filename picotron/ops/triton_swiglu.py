@@ -3,7 +3,7 @@ two halves of one tensor, as fused_linear(x, [gate_proj.weight, up_proj.weight])
 
     gu (..., 2I): gate = gu[..., :I], up = gu[..., I:]  ->  h = silu(gate) * up  (..., I)
 
-Same math as model.py's `swiglu_in` (F.silu(gate) * up, the reference and test oracle), with silu and the
+Same math as model.py's `swiglu_in` (F.silu(gate) * up, the reference), with silu and the
 product in fp32 and one rounding to gu's dtype; the reference rounds silu(gate) to bf16
 before the product, so in bf16 the two differ by about one bf16 step (2^-8 relative) in some
 elements. liger's swiglu kernel cannot be used here: it walks a, b and the output with one
@@ -36,6 +36,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+# On an H200 at N = 32768 tokens (bf16) these reach 4.0 TB/s forward and backward at I = 2560,
+# 4.1 at I = 8192, against 4.1-4.2 TB/s for a plain copy; other tile shapes from 1 x 1024 to
+# 16 x 512 at 4-8 warps were within 2%, and a flat 1-D layout (row = e // I) was 3-5% faster.
 ELEMS = 4096        # elements of h per program: 16 per thread at 8 warps (two 16-byte loads)
 MAX_BLOCK = 512     # columns per program: divides I = 2560 (360M) and 8192 (1.7B), no tail
 
