@@ -26,12 +26,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from picotron.model import swiglu                                       # noqa: E402
 from picotron.ops.fused_linear import fused_linear                      # noqa: E402
 from picotron.ops.triton_swiglu import swiglu_packed                    # noqa: E402
 
 SHAPES = {"360M": (960, 320, 2560), "1.7B": (2048, 2048, 8192)}        # C, kv dim, I
 
+
+
+def swiglu(gate, up):
+    """The reference activation, as model.swiglu_in computes it from the two projections."""
+    return F.silu(gate) * up
 
 def bench(fn, reps=20):
     """Milliseconds per fn() over reps back-to-back runs after 3 warm-ups: the launches queue
