@@ -13,6 +13,9 @@ whole bucket when zero_stage is 0):
 After the step, ZeRO ranks all-gather the updated shards so every replica has every weight.
 
 AdamW is elementwise, so running it on flat shards is the same math as on whole parameters.
+The step: torch's foreach AdamW (the reference) on CPU, for offloaded shards, and with
+`training.use_fused_adam` false; otherwise one Triton kernel per shard
+(picotron/ops/triton_adamw.py) that also unscales, clips and writes the bf16 weights.
 """
 import torch
 import torch.distributed as dist
@@ -20,6 +23,16 @@ import torch.distributed as dist
 from picotron.comm import all_gather_single
 
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
+
+
+def _triton_adamw():
+    try:
+        from picotron.ops.triton_adamw import adamw_step
+    except ImportError as e:
+        raise ImportError(f"training.use_fused_adam=true on a GPU runs AdamW as a Triton kernel "
+                          f"and needs the triton package (`pip install triton`), or set "
+                          f"training.use_fused_adam=false ({e})") from None
+    return adamw_step
 
 
 class DistributedAdamW:
@@ -123,7 +136,7 @@ class DistributedAdamW:
             for group in opt.param_groups:
                 group["lr"] = lr
             if self.triton and opt is self.optimizers[0]:
-                from picotron.ops.triton_adamw import adamw_step    # needs triton and a GPU
+                adamw_step = _triton_adamw()
                 adamw_step(opt, on_device, writes, scalars)
             else:
                 opt.step()

@@ -19,9 +19,13 @@ from picotron.ops.fused_linear import fused_linear
 
 
 def triton_kernels():
-    from picotron.ops.triton_norms import layer_norm, rms_norm
-    from picotron.ops.triton_rope import qkv_rope as rope_packed
-    from picotron.ops.triton_swiglu import swiglu_packed
+    try:
+        from picotron.ops.triton_norms import layer_norm, rms_norm
+        from picotron.ops.triton_rope import qkv_rope as rope_packed
+        from picotron.ops.triton_swiglu import swiglu_packed
+    except ImportError as e:
+        raise ImportError(f"model.kernels='triton' needs the triton package on a CUDA machine "
+                          f"(`pip install triton`), or set model.kernels='torch' ({e})") from None
 
     def qkv_rope(x, attn, cos, sin):
         weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
