@@ -102,7 +102,7 @@ def max_rel_diff(a, b):
 def parity(args, emit):
     base = ["--model_name", "debug", "--total_train_steps", "20", "--seq_len", "64",
             "--set", "training.warmup_steps=2", "--set", "checkpoint.save_frequency=0"]
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.dtypes.split(","):
         flags = base + ["--set", f"training.dtype={dtype}"]
         ref = train(args, f"ref-{dtype}", 1, flags + ["--mbs", "2", "--grad_acc_steps", "8"])
         if isinstance(ref, str):
@@ -170,6 +170,7 @@ def main():
     p.add_argument("--fused_loss", default="liger", help="throughput: training.fused_loss")
     p.add_argument("--cpu", action="store_true", help="gloo CPU ranks instead of GPUs")
     p.add_argument("--only", default="", help="throughput: rows whose name contains this")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="parity: training.dtype list")
     p.add_argument("--out", default=os.environ.get("OUT", "multi_gpu_out"))
     args = p.parse_args()
     if args.gpus is None:
