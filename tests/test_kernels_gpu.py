@@ -1,8 +1,10 @@
 """The CUDA-only fast paths against the readable PyTorch references, forward and backward.
 
-Skipped without a GPU (CI has none): run on the device with `python -m pytest
-tests/test_kernels_gpu.py`. Inputs are fresh random draws at SmolLM-360M's widths (C=960,
-I=2560, D=64, 15/5 heads), never zeros.
+Each op of both fast namespaces, model.kernels = "liger" and "triton" (our kernels with fused
+projections), and the whole model with each. Skipped without a GPU (CI has none; the Triton
+kernels' own tests run there in Triton's interpreter): run on the device with `python -m
+pytest tests/test_kernels_gpu.py`. Inputs are fresh random draws at SmolLM-360M's widths
+(C=960, I=2560, D=64, 15/5 heads), never zeros.
 
 Tolerances: the reference and the fast path both compute in fp32 internally and round their
 bf16 outputs once, so outputs differ by at most a bf16 rounding (2^-8 = 3.9e-3 relative) in
