@@ -93,10 +93,9 @@ class GradBuckets:
         self.buckets = [Bucket(g, params[0].dtype, params[0].device, self.shards)
                         for g in groups]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.members}
-        self._sync = False
-        self.launch_log = []        # (bucket index, gradients ready so far): overlap evidence
-        self.fresh = {id(p) for p in params}    # main_grad not yet written this step
-        self._ready_total = 0
+        # per step: fresh (params whose main_grad is not yet written), launch_log (bucket
+        # index, gradients ready so far: overlap evidence), _ready_total, _sync
+        self.zero_grad()
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
