@@ -1,6 +1,6 @@
 """Issue 9's benchmark: picotron's train.py path against Hugging Face loops, in one call.
 
-    python bench/bench_speed.py [--shapes SmolLM-360M,SmolLM-1.7B] [--mbs_search] [--out DIR]
+    python bench/bench_speed.py [--shapes SmolLM-360M,SmolLM-1.7B] [--rows LABELS] [--out DIR]
 
 For each shape, seq 2048, micro-batch 16, bf16 parameters, fused AdamW, no accumulation,
 synthetic tokens (the same windows for every run), it times:
@@ -15,9 +15,8 @@ synthetic tokens (the same windows for every run), it times:
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
-max_memory_allocated. With
---mbs_search LABELS, the largest micro-batch that fits (doubling from 16) for those rows, with
-and without full checkpointing. The table goes to stdout and DIR/bench_speed.txt.
+max_memory_allocated. The table goes to stdout and DIR/bench_speed.txt. The largest
+micro-batch that fits, with and without checkpointing: bench/largest_batch.py.
 """
 import argparse
 import gc
@@ -51,6 +50,7 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
         "ours triton": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton fp32-master": (True, "triton", "liger", False, "none", "sdpa"),
+        "ours triton separate-add": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
         "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
         "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
@@ -153,12 +153,12 @@ def measure(make, warmup, steps, mbs, seq):
     return result
 
 
-def run_one(args, label, shape, mbs, ckpt=None):
+def run_one(args, label, shape, mbs):
     """One row in a fresh process (no memory left over from the last row, no liger patch
     leaking into a plain HF row): (tokens/s, peak GB, loss) or a string naming the error."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", label, "--shapes", shape,
            "--mbs", str(mbs), "--seq", str(args.seq), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--ckpt", ckpt or ""]
+           "--steps", str(args.steps)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
@@ -170,30 +170,36 @@ def run_one(args, label, shape, mbs, ckpt=None):
     return tuple(r) if isinstance(r, list) else r
 
 
+def separate_add():
+    """The "separate-add" rows: our Triton path with the residual add before each layer's
+    second norm left to torch (model.with_residual), to measure what folding it in buys."""
+    from picotron.model import with_residual
+    from picotron.ops import fused
+    fused_kernels = fused.triton_kernels
+
+    def kernels():
+        ns = fused_kernels()
+        ns.add_rms_norm, ns.add_layer_norm = map(with_residual, (ns.rms_norm, ns.layer_norm))
+        return ns
+    fused.triton_kernels = kernels       # model.resolve_kernels looks it up at build time
+
+
+def maker(label, shape, mbs, seq, ckpt=None):
+    """A function that builds the row's step function (in this process, on the GPU).
+    ckpt: activation checkpointing other than the row's own ("full" or "none")."""
+    if label.endswith("separate-add"):
+        separate_add()
+    if label.startswith("ours"):
+        o = OURS[label]
+        return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5])
+    return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
+
+
 def child(args):
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     train.materialize = cached_materialize
-    label, shape, mbs, ckpt = args.one, args.shapes, args.mbs, args.ckpt or None
-    if label.startswith("ours"):
-        o = OURS[label]
-        make = lambda: ours_runner(shape, mbs, args.seq, *o[:4], ckpt or o[4], o[5])  # noqa
-    else:
-        make = lambda: hf_runner(shape, mbs, args.seq, label == "hf+liger", ckpt == "full")  # noqa
-    print("RESULT " + json.dumps(measure(make, args.warmup, args.steps, mbs, args.seq)))
-
-
-def largest_mbs(args, label, shape, ckpt, deadline):
-    """Doubling from 16: the largest micro-batch whose two steps run without OOM."""
-    best, mbs = None, 16
-    while mbs <= args.mbs_limit:
-        if time.time() > deadline:
-            return f"{best} (search stopped: deadline)"
-        r = run_one(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1}), label,
-                    shape, mbs, ckpt)
-        if isinstance(r, str):
-            break
-        best, mbs = mbs, mbs * 2
-    return best
+    make = maker(args.one, args.shapes, args.mbs, args.seq)
+    print("RESULT " + json.dumps(measure(make, args.warmup, args.steps, args.mbs, args.seq)))
 
 
 def attention_backends(emit, shape, mbs, seq):
@@ -241,13 +247,10 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rows", default="", help="comma-separated labels to time (default all)")
-    p.add_argument("--mbs_search", default="", help="comma-separated labels: largest mbs")
-    p.add_argument("--mbs_limit", type=int, default=128)
     p.add_argument("--attn_backends", action="store_true")
     p.add_argument("--deadline_s", type=float, default=1e9, help="start nothing after this")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
-    p.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         return child(args)
@@ -284,13 +287,6 @@ def main():
             for label, r in rows.items():
                 emit(f"  {label:36s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
                      f"{r[1] / ref[1]:.2f}x its peak memory")
-    for shape in args.shapes.split(","):     # after every shape's table: the costly part
-        for label in filter(None, args.mbs_search.split(",")):
-            for ckpt in ("none", "full"):
-                t0 = time.perf_counter()
-                best = largest_mbs(args, label, shape, ckpt, deadline)
-                emit(f"{shape} largest mbs (doubling from 16, up to {args.mbs_limit}) "
-                     f"{label} checkpointing={ckpt}: {best}  ({time.perf_counter() - t0:.0f} s)")
     with open(os.path.join(args.out, "bench_speed.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -2,10 +2,11 @@
 
     python bench/gpu_smoke.py [--out DIR] [--skip_throughput]
 
-1. `debug` for 200 steps on the embedded corpus in bf16 (the CPU test's settings): the loss
-   must fall below the corpus's byte unigram entropy minus 0.3 nats, as on CPU.
-2. The bf16 GPU logits of the initial `debug` model against the fp32 CPU ones (same weights:
-   they are drawn on the CPU from the seed), relative L2 error.
+1. `debug` for 300 steps on the embedded corpus in bf16 (the CPU test's settings), with the
+   readable torch kernels and with model.kernels=triton: the loss must fall below the
+   corpus's byte unigram entropy minus 0.3 nats, as on CPU.
+2. The bf16 GPU logits of the initial `debug` model (torch and triton kernels) against the
+   fp32 CPU ones (same weights: they are drawn on the CPU from the seed), relative L2 error.
 3. Throughput of train.py on the SmolLM-360M and SmolLM-1.7B shapes, seq 2048, micro-batch 16,
    bf16, synthetic data, the readable torch kernels with the chunked loss (no liger needed):
    tokens/s, MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12, peak memory (median over the steps
@@ -26,7 +27,8 @@ sys.path.insert(0, ROOT)
 
 from picotron.config import ModelConfig  # noqa: E402
 from picotron.data import embedded_corpus_bytes  # noqa: E402
-from picotron.model import Decoder, materialize, sdpa_attention  # noqa: E402
+from picotron.attention import sdpa_attention  # noqa: E402
+from picotron.model import Decoder, materialize  # noqa: E402
 from picotron.presets import resolve_model  # noqa: E402
 
 
@@ -59,30 +61,41 @@ def main():
     print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
     summary = []
 
-    # 1. learning on the GPU
-    records = run(work, "learn", ["--total_train_steps", "200", "--mbs", "4", "--seq_len",
-                                  "128", "--learning_rate", "1e-3", "--set",
-                                  "training.warmup_steps=20", "--set", "logging.log_frequency=50"])
+    # 1. learning on the GPU, on the readable path and on our Triton one
     threshold = unigram_entropy() - 0.3
-    final = sum(r["loss"] for r in records[-20:]) / 20
-    summary.append(f"debug 200 steps bf16 GPU: first loss {records[0]['loss']:.4f}, mean of last "
-                   f"20 {final:.4f} (threshold {threshold:.4f}: {'PASS' if final < threshold else 'FAIL'})"
-                   f", median step {statistics.median(r['step_time_s'] for r in records) * 1e3:.1f} ms")
+    for kernels in ("torch", "triton"):
+        records = run(work, f"learn_{kernels}", [
+            "--total_train_steps", "300", "--mbs", "4", "--seq_len", "128", "--learning_rate",
+            "1e-3", "--set", "training.warmup_steps=20", "--set", "logging.log_frequency=50",
+            "--set", f"model.kernels={kernels}"])
+        if records is None:
+            summary.append(f"debug 300 steps, kernels={kernels}: FAILED")
+            continue
+        final = sum(r["loss"] for r in records[-20:]) / 20
+        summary.append(
+            f"debug 300 steps bf16 GPU, kernels={kernels}: first loss {records[0]['loss']:.4f}, "
+            f"mean of last 20 {final:.4f} (threshold {threshold:.4f}: "
+            f"{'PASS' if final < threshold else 'FAIL'}), median step "
+            f"{statistics.median(r['step_time_s'] for r in records) * 1e3:.1f} ms")
 
-    # 2. bf16 GPU logits against the fp32 CPU reference
-    cfg = ModelConfig(**resolve_model("debug"))
+    # 2. bf16 GPU logits (torch and triton kernels) against the fp32 CPU reference
     logits = {}
-    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+    for device, dtype, kernels in (("cpu", torch.float32, "torch"),
+                                   ("cuda", torch.bfloat16, "torch"),
+                                   ("cuda", torch.bfloat16, "triton")):
         with torch.device("meta"):
-            model = Decoder(cfg, sdpa_attention)
+            model = Decoder(ModelConfig(**{**resolve_model("debug"), "kernels": kernels}),
+                            sdpa_attention)
         materialize(model, 42, device, dtype)
         ids = torch.randint(0, 256, (4, 256), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            logits[device] = model(ids.to(device)).float().cpu()
-    err = ((logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()).item()
-    summary.append(f"bf16 GPU vs fp32 CPU logits, debug init: relative L2 error {err:.2e} "
-                   f"({'PASS' if err < 1e-2 else 'FAIL'} at 1e-2: bf16 has 8 mantissa bits, "
-                   f"~4e-3 per rounding)")
+            logits[device, kernels] = model(ids.to(device)).float().cpu()
+    ref = logits["cpu", "torch"]
+    for kernels in ("torch", "triton"):
+        err = ((logits["cuda", kernels] - ref).norm() / ref.norm()).item()
+        summary.append(f"bf16 GPU (kernels={kernels}) vs fp32 CPU logits, debug init: relative "
+                       f"L2 error {err:.2e} ({'PASS' if err < 1e-2 else 'FAIL'} at 1e-2: bf16 "
+                       f"has 8 mantissa bits, ~4e-3 per rounding)")
 
     # 3. throughput of the plain path
     if not args.skip_throughput:

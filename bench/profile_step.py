@@ -55,12 +55,7 @@ def profile_row(args):
     import train
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     train.materialize = bench_speed.cached_materialize
-    label, shape = args.one, args.shapes
-    if label.startswith("ours"):
-        o = bench_speed.OURS[label]
-        step, _ = bench_speed.ours_runner(shape, args.mbs, args.seq, *o[:5], o[5])
-    else:
-        step, _ = bench_speed.hf_runner(shape, args.mbs, args.seq, label == "hf+liger", False)
+    step, _ = bench_speed.maker(args.one, args.shapes, args.mbs, args.seq)()
     for i in range(3):
         step(i)
     torch.cuda.synchronize()

@@ -10,7 +10,8 @@ free of generation state. That is fine for the small models and short outputs th
 """
 import torch
 
-from picotron.model import Decoder, eager_attention
+from picotron.attention import eager_attention
+from picotron.model import Decoder
 from picotron.shards import checkpoint_config, load_full_weights
 
 

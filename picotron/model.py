@@ -12,14 +12,13 @@ Parallelism never appears here. It reaches the model only through its structure:
 - attention goes through `attention_fn(q, k, v, position_ids)`, which context parallelism
   replaces with ring attention.
 
-Fast paths (`model.kernels`): the norms, the q/k/v projection with RoPE and the SwiGLU input
-projection call their op through `self.kernels`, a namespace of functions. The readable PyTorch
+Fast paths (`model.kernels`): the norms (alone, or with the residual add before them), the
+q/k/v projection with RoPE and the SwiGLU input projection call their op through
+`self.kernels`, a namespace of functions. The readable PyTorch
 versions below are the reference and the default; picotron/ops/liger.py ("liger") and
 picotron/ops/fused.py ("triton": fused projections, our Triton kernels) hold the same functions,
 and tests compare each with the reference.
 """
-import importlib.util
-import math
 import types
 import zlib
 
@@ -27,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from picotron.attention import sdpa_attention
 from picotron.ops.recompute import checkpointed
 
 
@@ -63,8 +63,18 @@ def swiglu_in(x, mlp):
     return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
 
 
-TORCH_KERNELS = types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm,
-                                      qkv_rope=qkv_rope, swiglu_in=swiglu_in)
+def with_residual(norm_fn):
+    """The residual form of a norm: (x, delta, w, eps) -> (h, norm(h)) with h = x + delta, the
+    add that ends a layer's attention half and the norm that starts its MLP half."""
+    def add_norm(x, delta, weight, eps: float):
+        h = x + delta
+        return h, norm_fn(h, weight, eps)
+    return add_norm
+
+
+TORCH_KERNELS = types.SimpleNamespace(
+    rms_norm=rms_norm, layer_norm=layer_norm, add_rms_norm=with_residual(rms_norm),
+    add_layer_norm=with_residual(layer_norm), qkv_rope=qkv_rope, swiglu_in=swiglu_in)
 
 
 def resolve_kernels(name: str):
@@ -85,10 +95,16 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x, delta):     # (x + delta, norm(x + delta)), one kernel if fused
+        return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class LayerNorm(RMSNorm):          # the same gain parameter; a mean-centred norm
     def forward(self, x):
         return self.kernels.layer_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x, delta):
+        return self.kernels.add_layer_norm(x, delta, self.weight, self.eps)
 
 
 NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
@@ -111,41 +127,6 @@ def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
-
-
-def eager_attention(q, k, v, position_ids=None):
-    """The readable reference: softmax(q k^T / sqrt(D) + causal mask) v.
-
-    q (B, H, T, D), k and v (B, K, T, D); query head h reads kv head h // (H/K)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    T = q.shape[2]
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
-
-
-def sdpa_attention(q, k, v, position_ids=None):
-    """PyTorch's fused attention (flash / cuDNN / memory-efficient kernels, math on CPU)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def flash_attention(q, k, v, position_ids=None):
-    """flash-attn's kernel, which wants (B, T, H, D) and handles GQA itself."""
-    from flash_attn import flash_attn_func
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-    return out.transpose(1, 2)
-
-
-def resolve_attention(name: str, device_type: str):
-    """The attention function for `model.attn_implementation` on this device."""
-    if name == "auto":
-        has_flash = importlib.util.find_spec("flash_attn") is not None
-        name = "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
-    return {"eager": eager_attention, "sdpa": sdpa_attention,
-            "flash_attention_2": flash_attention}[name]
 
 
 class Attention(nn.Module):
@@ -196,8 +177,10 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         if self.parallel_residual:                      # x + attn(n(x)) + mlp(n(x))
             return x + self.self_attn(h, cos, sin, position_ids) + self.mlp(h)
-        x = x + self.self_attn(h, cos, sin, position_ids)   # x + attn(n1(x)), then + mlp(n2(.))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x + attn(n1(x)), then + mlp(n2(.)); the add and n2 as one op (fused on fast paths)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin,
+                                                                           position_ids))
+        return x + self.mlp(h)
 
 
 class Decoder(nn.Module):

@@ -19,7 +19,7 @@ from picotron.context_parallel import kernels, ring_attention as ring_module
 from picotron.context_parallel.ring_attention import ring_attention
 from picotron.context_parallel.sharding import shard_along
 from picotron.context_parallel.ulysses import ulysses_attention
-from picotron.model import eager_attention, sdpa_attention
+from picotron.attention import eager_attention, sdpa_attention
 from picotron.process_group_manager import ProcessGroupManager
 
 B, D, CHUNK = 2, 8, 4          # batch, head dim, tokens per zigzag chunk (T = 2 * cp * CHUNK)

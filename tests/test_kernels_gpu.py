@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from picotron.config import ModelConfig
+from picotron.attention import sdpa_attention
 from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, materialize,
-                            resolve_kernels, rope_cos_sin, sdpa_attention)
+                            resolve_kernels, rope_cos_sin)
 from picotron.ops.loss import LinearCrossEntropy, chunked_linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from picotron.config import ModelConfig
-from picotron.model import (Decoder, causal_lm_loss, eager_attention, materialize,
-                            sdpa_attention)
+from picotron.attention import eager_attention, sdpa_attention
+from picotron.model import Decoder, causal_lm_loss, materialize
 
 transformers = pytest.importorskip("transformers")   # a listed requirement: always present in CI
 

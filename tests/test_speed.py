@@ -9,7 +9,8 @@ import torch
 import create_config
 import train
 from picotron.config import ConfigError, ModelConfig, config_from_dict
-from picotron.model import Decoder, causal_lm_loss, materialize, sdpa_attention
+from picotron.attention import sdpa_attention
+from picotron.model import Decoder, causal_lm_loss, materialize
 from picotron.ops.loss import IGNORE_INDEX, LinearCrossEntropy, chunked_linear_cross_entropy
 
 TINY = dict(vocab_size=97, hidden_size=36, intermediate_size=70, num_hidden_layers=3,

@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 from picotron.config import ModelConfig  # noqa: E402
-from picotron.model import Decoder, causal_lm_loss, materialize, sdpa_attention  # noqa: E402
+from picotron.attention import sdpa_attention  # noqa: E402
+from picotron.model import Decoder, causal_lm_loss, materialize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LLAMA = dict(hidden_size=36, intermediate_size=52, num_attention_heads=6,

@@ -27,6 +27,8 @@ sharded across TP or replicated (`local_slice`), counted in the grad norm or not
 must be summed first (`grad_sum_group`: norm weights under sequence parallelism, a tied
 embedding split across pipeline stages).
 """
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -96,8 +98,13 @@ class GradBuckets:
         # per step: fresh (params whose main_grad is not yet written), launch_log (bucket
         # index, gradients ready so far: overlap evidence), _ready_total, _sync
         self.zero_grad()
+        # The hook reaches self through a weak reference. A bound method made the cycle
+        # param -> hook -> self -> param, which Python's gc did not collect (torch 2.11 and
+        # 2.13): the model, its gradients and these buffers stayed on the GPU after a run
+        # for the life of the process (a notebook, a benchmark's next configuration).
+        this = weakref.ref(self)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(lambda p: this()._on_grad_ready(p))
 
     def _check_replicas_identical(self, params):
         """Initial weights are identical across cp_dp by construction (drawn from the seed);

@@ -1,6 +1,7 @@
 """`model.kernels = "triton"`: picotron's own Triton kernels, with the projections fused.
 
     rms_norm, layer_norm   triton_norms.py: one pass each way, a tiled weight-gradient sum
+    add_rms_norm, ...      the same with the residual add before them folded in
     qkv_rope               one matmul for q, k and v (fused_linear.py), then RoPE straight out
                            of the packed rows into contiguous q, k, v (triton_rope.py)
     swiglu_in              one matmul for gate and up, SwiGLU on the packed result
@@ -20,7 +21,8 @@ from picotron.ops.fused_linear import fused_linear
 
 def triton_kernels():
     try:
-        from picotron.ops.triton_norms import layer_norm, rms_norm
+        from picotron.ops.triton_norms import (add_layer_norm, add_rms_norm, layer_norm,
+                                                 rms_norm)
         from picotron.ops.triton_rope import qkv_rope as rope_packed
         from picotron.ops.triton_swiglu import swiglu_packed
     except ImportError as e:
@@ -35,5 +37,6 @@ def triton_kernels():
     def swiglu_in(x, mlp):
         return swiglu_packed(fused_linear(x, [mlp.gate_proj.weight, mlp.up_proj.weight]))
 
-    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, qkv_rope=qkv_rope,
-                                 swiglu_in=swiglu_in)
+    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm,
+                                 add_rms_norm=add_rms_norm, add_layer_norm=add_layer_norm,
+                                 qkv_rope=qkv_rope, swiglu_in=swiglu_in)

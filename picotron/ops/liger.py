@@ -14,7 +14,7 @@ LayerNorm (PaLM-style option) stays on F.layer_norm, already one fused kernel.
 """
 import types
 
-from picotron.model import layer_norm, project_qkv
+from picotron.model import layer_norm, project_qkv, with_residual
 
 
 def liger_kernels():
@@ -38,5 +38,8 @@ def liger_kernels():
     def swiglu_in(x, mlp):
         return liger_swiglu(mlp.gate_proj(x), mlp.up_proj(x))
 
-    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, qkv_rope=qkv_rope,
+    # the residual add stays a separate torch add, as in Hugging Face's Llama patched by liger
+    return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm,
+                                 add_rms_norm=with_residual(rms_norm),
+                                 add_layer_norm=with_residual(layer_norm), qkv_rope=qkv_rope,
                                  swiglu_in=swiglu_in)

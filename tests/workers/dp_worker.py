@@ -4,9 +4,12 @@ For zero_stage 0, 1 and 2 it builds the model, runs one backward with bucketed r
 and records (rank 0 writes JSON to argv[1]):
 - launch_log: (bucket index, gradients produced so far) at each reduction launch;
 - the number of parameters (gradients produced in a full backward);
-- optimizer state bytes and gradient bytes this rank holds at step time."""
+- optimizer state bytes and gradient bytes this rank holds at step time;
+- how many of (model, buckets, optimizer, a weight, a bucket) are still alive once dropped."""
+import gc
 import json
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -44,11 +47,18 @@ def measure(zero_stage, offload, dtype="float32", master_weights=True, overlap=T
                      for b in grads.buckets)
     optimizer.step(1e-3)
     offloaded = sum(b.shard_numel for b, o in zip(grads.buckets, optimizer.offloaded) if o)
-    return {"bytes_per_param": optimizer.state_bytes() / sum(b.shard_numel for b in grads.buckets),
+    result = {"bytes_per_param": optimizer.state_bytes() / sum(b.shard_numel for b in grads.buckets),
             "launch_log": grads.launch_log, "num_params": len(list(model.parameters())),
             "num_buckets": len(grads.buckets), "state_bytes": optimizer.state_bytes(),
             "grad_bytes": grad_bytes, "offloaded_frac": offloaded / sum(
                 b.shard_numel for b in grads.buckets)}
+    # Dropped, the run must free its memory: model, gradient buffers, optimizer state.
+    alive = [weakref.ref(o) for o in (model, grads, optimizer, model.norm.weight,
+                                      grads.buckets[0])]
+    del model, grads, optimizer, inputs, targets
+    gc.collect()
+    result["alive_after_drop"] = sum(ref() is not None for ref in alive)
+    return result
 
 
 def main(out_path):

@@ -1,0 +1,117 @@
+"""Issue 9's item 4: the largest micro-batch that fits on one GPU, with and without full
+activation checkpointing, for our path and for Hugging Face + Liger.
+
+    python bench/largest_batch.py [--shapes SmolLM-360M,SmolLM-1.7B]
+                                  [--rows "ours triton,hf+liger"] [--limit 256] [--out DIR]
+
+The rows, models, data and optimizers are bench_speed.py's (seq 2048, bf16 parameters, fused
+AdamW). "Fits" means two whole training steps (forward, backward, optimizer) run without an
+out-of-memory error. The search: micro-batch 16, 32, 64, ... while they fit (up to --limit),
+then steps of 8 between the last that fit and the first that did not. So the answer is exact
+to 8 sequences, and each row's peak memory at that size is printed with it.
+
+Each row runs in its own process (liger's patch of HF's Llama stays in its process) and tries
+its sizes one after another in that process: a 1.7B build and two steps take seconds, a fresh
+process per size ~30 s. After a failed size every reference is dropped and the cache emptied;
+if the allocated memory does not return to within 0.5 GB of where it started (cuBLAS and
+cuDNN keep their workspaces), later sizes could fail for the wrong reason, so the search stops
+and says so. Output: stdout and DIR/largest_batch.txt.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_speed  # noqa: E402
+
+
+def fits(label, shape, mbs, seq, ckpt):
+    """(True, peak GB) if two steps at this micro-batch run, else (False, why)."""
+    start = torch.cuda.memory_allocated()
+    r = bench_speed.measure(bench_speed.maker(label, shape, mbs, seq, ckpt), 1, 1, mbs, seq)
+    # cuBLAS/cuDNN keep workspaces (tens of MB) from the first trial on: allowed; a step of 8
+    # sequences moves the peak by GBs, so 0.5 GB left over cannot change an answer
+    leftover = (torch.cuda.memory_allocated() - start) / 2 ** 30
+    if leftover > 0.5:
+        raise RuntimeError(f"{leftover:.2f} GB still allocated after micro-batch {mbs}: "
+                           f"the sizes after it would not be measured fairly")
+    return (True, r[1]) if isinstance(r, tuple) else (False, r)
+
+
+def search(label, shape, seq, ckpt, limit):
+    """The largest fitting micro-batch (16, 32, ... then steps of 8), its peak GB, and a log of
+    every size tried."""
+    tried, best, peak, first_fail = [], None, None, None
+    mbs = 16
+    while mbs <= limit:
+        ok, info = fits(label, shape, mbs, seq, ckpt)
+        tried.append(f"{mbs}:{'ok %.1f GB' % info if ok else info[:40]}")
+        if not ok:
+            first_fail = mbs
+            break
+        best, peak, mbs = mbs, info, mbs * 2
+    if best is not None and first_fail is not None:
+        for mbs in range(best + 8, first_fail, 8):
+            ok, info = fits(label, shape, mbs, seq, ckpt)
+            tried.append(f"{mbs}:{'ok %.1f GB' % info if ok else info[:40]}")
+            if not ok:
+                break
+            best, peak = mbs, info
+    return best, peak, tried
+
+
+def child(args):
+    import torch.distributed as dist
+
+    import train
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    train.materialize = bench_speed.cached_materialize
+    results = {}
+    for ckpt in ("none", "full"):
+        results[ckpt] = search(args.one, args.shapes, args.seq, ckpt, args.limit)
+    print("RESULT " + json.dumps(results))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
+    p.add_argument("--rows", default="ours triton,hf+liger")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--limit", type=int, default=256, help="largest micro-batch tried")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--one", help=argparse.SUPPRESS)       # child: search this row
+    args = p.parse_args()
+    if args.one:
+        return child(args)
+    lines = [f"torch {torch.__version__}, seq {args.seq}, bf16 params, fused AdamW; largest "
+             f"micro-batch that runs two steps (16, 32, ... up to {args.limit}, then steps of 8)"]
+    for shape in args.shapes.split(","):
+        for label in args.rows.split(","):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
+                                   "--shapes", shape, "--seq", str(args.seq), "--limit",
+                                   str(args.limit)], capture_output=True, text=True)
+            found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if not found:
+                lines.append(f"{shape} {label}: CRASH rc={proc.returncode} "
+                             f"{proc.stderr.strip()[-300:]}")
+                print(lines[-1], flush=True)
+                continue
+            for ckpt, (best, peak, tried) in json.loads(found[-1][7:]).items():
+                peak_text = f"{peak:.1f} GB" if peak is not None else "-"
+                lines.append(f"{shape:12s} {label:12s} checkpointing={ckpt:4s} largest "
+                             f"micro-batch {best} (peak {peak_text}); tried {', '.join(tried)}")
+                print(lines[-1], flush=True)
+            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    with open(os.path.join(args.out, "largest_batch.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
