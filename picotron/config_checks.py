@@ -137,9 +137,6 @@ def pipeline_errors(config: Config) -> list:
     d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
     pp, v = d.pp_size, d.pp_virtual_stages
     errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
-    if pp > 1 and config.training.val_frequency:      # validation.py runs the whole model
-        errors.append(f"training.val_frequency={config.training.val_frequency} with pp_size="
-                      f"{pp}: validation through the pipeline is not implemented yet; set it to 0")
     if v < 1:
         errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
     elif pp > 1 and d.pp_engine == "interleaved" and acc % pp:

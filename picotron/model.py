@@ -92,18 +92,18 @@ class RMSNorm(nn.Module):
         self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        return self.kernels.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x, delta):     # (x + delta, norm(x + delta)), one kernel if fused
+    def forward(self, x, delta=None):
+        """norm(x); with `delta`, the residual form (x + delta, norm(x + delta)), one kernel
+        on fast paths. Always called as a module: tensor parallelism hooks the norms."""
+        if delta is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class LayerNorm(RMSNorm):          # the same gain parameter; a mean-centred norm
-    def forward(self, x):
-        return self.kernels.layer_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x, delta):
+    def forward(self, x, delta=None):
+        if delta is None:
+            return self.kernels.layer_norm(x, self.weight, self.eps)
         return self.kernels.add_layer_norm(x, delta, self.weight, self.eps)
 
 
@@ -178,8 +178,7 @@ class DecoderLayer(nn.Module):
         if self.parallel_residual:                      # x + attn(n(x)) + mlp(n(x))
             return x + self.self_attn(h, cos, sin, position_ids) + self.mlp(h)
         # x + attn(n1(x)), then + mlp(n2(.)); the add and n2 as one op (fused on fast paths)
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin,
-                                                                           position_ids))
+        x, h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, position_ids))
         return x + self.mlp(h)
 
 

@@ -3,6 +3,35 @@ import torch
 import torch.distributed as dist
 
 from picotron.context_parallel import shard_sequence
+from picotron.pipeline_parallel.engine import forward_step
+from picotron.pipeline_parallel.p2p import exchange, message_spec
+from picotron.pipeline_parallel.stage import rank_chunks
+
+
+def pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm):
+    """One micro-batch forward through the pipeline, no backward: the mean loss on the ranks
+    of the last virtual stage, None on the others.
+
+    The virtual stages s = 0 .. pp*v-1 run one after the other (validation is rare, so no
+    schedule overlaps them): the rank holding stage s (s % pp) receives its input from the
+    holder of s - 1, runs its chunk and sends the output on, exactly what a training forward
+    sends. Every rank walks the same sequence, so each send meets its receive in order."""
+    pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
+    chunks = rank_chunks(config, rank)
+    last = pp * len(chunks) - 1
+    (_, T, C), dtype = message_spec(config)
+    applies_head = getattr(loss_fn, "applies_head", False)
+    x, loss = inputs, None                          # token ids (B, T) on the first stage
+    for s in range(rank, last + 1, pp):             # this rank's virtual stages, in order
+        if s > 0:
+            x = torch.empty((inputs.shape[0], T, C), dtype=dtype, device=inputs.device)
+            exchange([], [(x, ranks[(s - 1) % pp])], pgm.pp_group)
+        out = forward_step(model, x, positions, chunks[s // pp], head=not applies_head)
+        if s == last:
+            loss = loss_fn(out, targets)
+        else:
+            exchange([(out, ranks[(s + 1) % pp])], [], pgm.pp_group)
+    return loss
 
 
 @torch.no_grad()
@@ -12,7 +41,8 @@ def validation_loss(model, loss_fn, val_data, config, pgm, device) -> float:
     DP rank r evaluates windows r, r + dp, r + 2*dp, ... in micro-batches; the summed losses
     and token counts are added over the DP group, so the result does not depend on dp (nor on
     how the windows split into micro-batches). Under context parallelism each rank scores its
-    zigzag share of every window. A pipeline forward would replace `model(...)` here."""
+    zigzag share of every window. Under pipeline parallelism the windows go through the stages
+    (pipeline_forward) and the last stage's sums are shared with the pipeline group."""
     count = getattr(val_data, "num_windows", config.dataset.val_samples)
     mine = list(range(pgm.dp_rank, count, pgm.dp_size))
     mbs = config.training.micro_batch_size
@@ -24,13 +54,20 @@ def validation_loss(model, loss_fn, val_data, config, pgm, device) -> float:
         # this CP rank's share of the tokens (all of them when cp_size is 1)
         inputs, targets, positions = shard_sequence(windows[:, :-1], windows[:, 1:],
                                                     pgm.cp_rank, pgm.cp_size)
-        # logits (B, T, V), or hidden (B, T, C) for a loss that applies the head itself
-        out = model(inputs, positions, head=not getattr(loss_fn, "applies_head", False))
+        if pgm.pp_size > 1:
+            loss = pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm)
+            if loss is None:        # not the last stage: its share of the sums is zero
+                continue
+        else:
+            # logits (B, T, V), or hidden (B, T, C) for a loss that applies the head itself
+            out = model(inputs, positions, head=not getattr(loss_fn, "applies_head", False))
+            loss = loss_fn(out, targets)
         # loss_fn is the token mean (vocab-parallel under TP): times the count, a sum
-        loss = loss_fn(out, targets) * targets.numel()
-        total += torch.stack([loss.double(), torch.tensor(targets.numel(),
-                                                         dtype=torch.float64, device=device)])
+        total += torch.stack([loss.double() * targets.numel(), torch.tensor(
+            targets.numel(), dtype=torch.float64, device=device)])
     if pgm.cp_dp_size > 1:          # DP ranks read different windows, CP ranks other tokens
         dist.all_reduce(total, group=pgm.cp_dp_group)
+    if pgm.pp_size > 1:             # only the last stage holds the sums
+        dist.all_reduce(total, group=pgm.pp_group)
     model.train(was_training)
     return (total[0] / total[1]).item()

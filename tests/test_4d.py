@@ -25,13 +25,16 @@ LAYOUTS = [
 ]
 GLOBAL_BATCH = 8        # sequences per step in every run: mbs * grad_acc * dp
 STEPS = 5
+# Validation after step 5 on 5 held-out windows: with mbs 2 a replica's last validation
+# micro-batch is ragged (1 window), and dp 8 leaves some replicas none.
 # A tiny model: 4 layers so that interleaved pp 2 has 2 virtual stages of 1 layer each. Adam's
 # eps at 1e-6 instead of 1e-8: elements whose gradient is ~1e-8 (summed in another order by
 # another layout) would otherwise turn rounding noise into full-size updates.
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
         "--num_hidden_layers", "4", "--seq_len", "32", "--learning_rate", "1e-3",
         "--set", "training.warmup_steps=2", "--set", "training.adam_eps=1e-6",
-        "--set", "checkpoint.save_frequency=100", "--set", "distributed.timeout_s=120"]
+        "--set", "checkpoint.save_frequency=100", "--set", "distributed.timeout_s=120",
+        "--set", "training.val_frequency=5", "--set", "dataset.val_samples=5"]
 
 
 def layout_flags(dp, tp, pp, cp, engine="1f1b", zero=0, sp=False):
@@ -73,6 +76,7 @@ def reference(tmp_path_factory):
 
 
 def assert_same_losses(ref, run, steps):
+    ref, run = ([r for r in records if "loss" in r] for records in (ref, run))   # training
     assert [r["step"] for r in run] == steps
     by_step = {r["step"]: r for r in ref}
     for r in run:
@@ -98,6 +102,10 @@ def test_layout_matches_single_process(tmp_path, reference, layout):
     launch(path, 8)
     ref = reference(model)
     assert_same_losses(read_metrics(ref), read_metrics(path), list(range(1, STEPS + 1)))
+    # the validation loss after the last step: through the pipeline when pp > 1
+    val_ref, val_run = ([r["val_loss"] for r in read_metrics(p) if "val_loss" in r]
+                        for p in (ref, path))
+    assert len(val_ref) == 1 and val_run == pytest.approx(val_ref, rel=1e-5)
     assert_same_weights(ref, path)
 
 

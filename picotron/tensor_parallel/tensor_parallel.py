@@ -58,8 +58,8 @@ def _shard(style: str, module, pgm, sequence_parallel: bool):
     """The module that replaces `module` under `style` (declared on the same device: meta)."""
     rank, size, group = pgm.tp_rank, pgm.tp_size, pgm.tp_group
     if style == "enter":        # the norm stays; its output enters the sharded block
-        module.register_forward_hook(lambda mod, args, out: enter_tp(out, group,
-                                                                     sequence_parallel))
+        module.register_forward_hook(partial(_enter_after_norm, group=group,
+                                             sequence_parallel=sequence_parallel))
         return module
     if style == "vocab_embedding":
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, rank, size,
@@ -74,6 +74,14 @@ def _shard(style: str, module, pgm, sequence_parallel: bool):
     if style == "vocab_head":
         return VocabParallelHead(module.in_features, module.out_features, rank, size)
     raise ValueError(f"unknown tensor-parallel style '{style}'")
+
+
+def _enter_after_norm(module, args, out, group, sequence_parallel):
+    """A norm's output enters the sharded block. The residual form returns (x + delta,
+    norm(x + delta)): only the normalised half enters, the residual stream stays as it is."""
+    if isinstance(out, tuple):
+        return out[0], enter_tp(out[1], group, sequence_parallel)
+    return enter_tp(out, group, sequence_parallel)
 
 
 def apply_tensor_parallel(model, pgm, config):
