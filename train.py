@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_root
-from picotron.config import ConfigError, load_config
+from picotron.config import ConfigError, MissingPackage, load_config
 from picotron.context_parallel import apply_context_parallel, shard_sequence
 from picotron.data import DataError, build_train_val, data_state, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
@@ -197,6 +197,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, MissingPackage, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -10,6 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from picotron.config import MissingPackage
+
 
 def eager_attention(q, k, v, position_ids=None):
     """The readable reference: softmax(q k^T / sqrt(D) + causal mask) v.
@@ -38,9 +40,14 @@ def flash_attention(q, k, v, position_ids=None):
 
 
 def resolve_attention(name: str, device_type: str):
-    """The attention function for `model.attn_implementation` on this device."""
+    """The attention function for `model.attn_implementation` on this device. Asked for by
+    name, flash-attn must be importable now, not at the first forward."""
+    has_flash = importlib.util.find_spec("flash_attn") is not None
     if name == "auto":
-        has_flash = importlib.util.find_spec("flash_attn") is not None
         name = "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
+    elif name == "flash_attention_2" and not has_flash:
+        raise MissingPackage("model.attn_implementation='flash_attention_2'", "flash-attn "
+                             "(`pip install flash-attn`)", "or use 'sdpa' ('auto' takes "
+                             "flash-attn when it is installed)", "no module named flash_attn")
     return {"eager": eager_attention, "sdpa": sdpa_attention,
             "flash_attention_2": flash_attention}[name]

@@ -17,6 +17,16 @@ class ConfigError(ValueError):
     """A config that cannot run. The message names every problem and its fix."""
 
 
+class MissingPackage(ImportError):
+    """The config asks for an optional package (a fast path, a logger) that this machine
+    cannot import. Raised when the run is built, before any step; the entry points print it
+    without a traceback, as a ConfigError."""
+
+    def __init__(self, option: str, package: str, fallback: str, error: Exception):
+        super().__init__(f"{option} needs {package}, which cannot be imported here ({error}); "
+                         f"{fallback}")
+
+
 @dataclass
 class DistributedConfig:
     dp_size: int = 1            # data parallel: replicas that split the global batch

@@ -97,6 +97,9 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
                       f"by op name, and model.kernels='{m.kernels}' runs its own autograd "
                       f"functions (liger rotates q and k in place inside those outputs), so the "
                       f"recomputation would be wrong; use 'full' or model.kernels='torch'")
+    if m.attn_implementation == "flash_attention_2" and d.use_cpu:
+        errors.append("model.attn_implementation='flash_attention_2' runs flash-attn's CUDA "
+                      "kernels, but distributed.use_cpu is true; use 'sdpa' or 'auto'")
     if gpu_only and d.use_cpu:
         errors.append(f"{' and '.join(gpu_only)} runs Triton kernels on CUDA GPUs only, "
                       f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")

@@ -6,6 +6,8 @@ import random
 
 import torch
 
+from picotron.config import MissingPackage
+
 # Dense bf16 peak of one GPU, FLOP/s, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989.5e12, "H100": 989.5e12, "A100": 312e12, "L40S": 362e12,
                    "A10G": 125e12, "RTX 4090": 165.2e12}
@@ -76,9 +78,9 @@ class MetricsLog:
         if enabled and config is not None and config.logging.use_wandb:
             try:
                 import wandb
-            except ImportError:
-                raise ImportError("logging.use_wandb is true but wandb is not installed: "
-                                  "`pip install wandb`, or set it to false") from None
+            except ImportError as e:
+                raise MissingPackage("logging.use_wandb=true", "wandb (`pip install wandb`)",
+                                     "or set it to false", e) from None
             self.wandb = wandb.init(project=config.logging.project_name,
                                     name=config.logging.run_name, config=config.to_dict())
 

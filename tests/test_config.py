@@ -8,7 +8,8 @@ import pytest
 
 import create_config
 from launch import ROOT
-from picotron.config import Config, ConfigError, config_from_dict, load_config
+from picotron.attention import resolve_attention, sdpa_attention
+from picotron.config import Config, ConfigError, MissingPackage, config_from_dict, load_config
 
 BAD_FLAGS = [  # (flags, words the message must contain)
     (["--tp", "3"], ["num_attention_heads=8", "tp_size=3"]),
@@ -24,6 +25,8 @@ BAD_FLAGS = [  # (flags, words the message must contain)
     (["--set", "training.dtype=float64"], ["dtype='float64'"]),
     (["--set", "seed"], ["section.key=value"]),
     (["--model_name", "no/such-model-anywhere"], ["not a preset", "no/such-model-anywhere"]),
+    (["--set", "model.attn_implementation=flash_attention_2"], ["flash_attention_2",
+                                                                "use_cpu", "'sdpa'"]),
 ]
 
 
@@ -96,8 +99,8 @@ def test_local_hf_directory_resolves(tmp_path):
                             "--model_name", str(d)])
 
 
-def run_train(config_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def run_train(config_path, pythonpath=ROOT):
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
                            str(config_path)], capture_output=True, text=True, env=env,
                           timeout=120)
@@ -115,6 +118,26 @@ def test_train_refuses_bad_configs_with_exit_code(tmp_path):
     assert proc.returncode == 2 and "not valid JSON" in proc.stderr
     proc = run_train(tmp_path / "missing.json")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+    # an optional package the config asks for and this machine lacks (a wandb that cannot be
+    # imported comes first on the path): named with its fix before any step, no traceback
+    blocker = tmp_path / "no_wandb"
+    blocker.mkdir()
+    (blocker / "wandb.py").write_text("raise ImportError('blocked by the test')\n")
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "wandb", "--use_cpu",
+                               "--set", "logging.use_wandb=true"])
+    proc = run_train(path, pythonpath=f"{blocker}{os.pathsep}{ROOT}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "logging.use_wandb=true needs wandb" in proc.stderr and "or set it to false" in \
+        proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_fast_path_packages_are_named_with_their_fix(monkeypatch):
+    """flash-attn asked for by name is checked when the attention is resolved (the run is
+    built), not at the first forward; 'auto' falls back to SDPA without it."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)      # not importable, here or not
+    with pytest.raises(MissingPackage, match="flash_attention_2.*flash-attn.*'sdpa'"):
+        resolve_attention("flash_attention_2", "cuda")
+    assert resolve_attention("auto", "cuda") is sdpa_attention
 
 
 def test_readme_config_reference_lists_every_key():

@@ -118,6 +118,25 @@ def save_tiny_checkpoint(root, **model_fields) -> str:
                            {"tokens_seen": 0, "data": {}})
 
 
+def test_a_run_on_fast_kernels_samples_on_a_cpu(tmp_path):
+    """A checkpoint whose config says model.kernels='liger' (GPU only; liger is not even
+    installed here) loads for sampling with the readable kernels: the same logits as the
+    same weights saved under kernels='torch'."""
+    plain = save_tiny_checkpoint(tmp_path / "plain")
+    config = Config()
+    config.model.hidden_size, config.model.intermediate_size = 32, 64
+    config.model.num_hidden_layers = 2
+    model = our_model(config.model, seed=3)
+    config.model.kernels = "liger"                     # as a GPU run would have saved it
+    fast = save_checkpoint(model, None, one_process_group(), config, str(tmp_path / "fast"), 1,
+                           {"tokens_seen": 0, "data": {}})
+    (a, _), (b, cfg) = load_for_inference(plain), load_for_inference(fast)
+    assert cfg.model.kernels == "liger"                # the run's config is reported as is
+    ids = torch.tensor([list(b"sample me")])
+    with torch.no_grad():
+        assert torch.equal(a(ids), b(ids))
+
+
 def test_byte_level_export_loads_with_its_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt", tie_word_embeddings=True)

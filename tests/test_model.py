@@ -1,12 +1,14 @@
 """model.py against Hugging Face's Llama and against the PaLM-style formulas written out here."""
 import math
+import sys
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from picotron.attention import eager_attention, flash_attention, sdpa_attention
 from picotron.config import ModelConfig
-from picotron.attention import eager_attention, sdpa_attention
 from picotron.model import Decoder, causal_lm_loss, materialize
 
 transformers = pytest.importorskip("transformers")   # a listed requirement: always present in CI
@@ -61,6 +63,23 @@ def test_attention_implementations_agree():
     q = torch.randn(2, 6, 17, 8)
     k, v = torch.randn(2, 2, 17, 8), torch.randn(2, 2, 17, 8)
     assert rel_err(sdpa_attention(q, k, v), eager_attention(q, k, v)) < 1e-5
+
+
+def test_flash_attention_wrapper_hands_over_its_layout(monkeypatch):
+    """No flash-attn build runs here (nor on the device): what is ours is the wrapper, which
+    must hand flash_attn_func (B, T, H, D) tensors, causal, and turn its output back to
+    (B, H, T, D). A stand-in flash_attn that checks its inputs' layout and computes with the
+    reference shows that; T (17) differs from H (6) and K (2), so a transpose missed either
+    way fails on shapes or values."""
+    def flash_attn_func(q, k, v, causal=False):
+        assert causal and q.shape == (2, 17, 6, 8) and k.shape == v.shape == (2, 17, 2, 8)
+        out = eager_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2)                                      # (B, T, H, D)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_func=flash_attn_func))
+    q = torch.randn(2, 6, 17, 8)
+    k, v = torch.randn(2, 2, 17, 8), torch.randn(2, 2, 17, 8)
+    assert rel_err(flash_attention(q, k, v), eager_attention(q, k, v)) < 1e-6
 
 
 def palm_reference(params, ids, cfg):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from picotron.comm import all_gather_single
+from picotron.config import MissingPackage
 
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
 
@@ -29,9 +30,9 @@ def _triton_adamw():
     try:
         from picotron.ops.triton_adamw import adamw_step
     except ImportError as e:
-        raise ImportError(f"training.use_fused_adam=true on a GPU runs AdamW as a Triton kernel "
-                          f"and needs the triton package (`pip install triton`), or set "
-                          f"training.use_fused_adam=false ({e})") from None
+        raise MissingPackage("training.use_fused_adam=true on a GPU (AdamW as one Triton "
+                             "kernel)", "the triton package (`pip install triton`)",
+                             "or set training.use_fused_adam=false", e) from None
     return adamw_step
 
 

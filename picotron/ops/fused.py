@@ -16,6 +16,8 @@ forward and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1
 """
 import types
 
+from picotron.config import MissingPackage
+
 from picotron.ops.fused_linear import fused_linear
 
 
@@ -26,8 +28,8 @@ def triton_kernels():
         from picotron.ops.triton_rope import qkv_rope as rope_packed
         from picotron.ops.triton_swiglu import swiglu_packed
     except ImportError as e:
-        raise ImportError(f"model.kernels='triton' needs the triton package on a CUDA machine "
-                          f"(`pip install triton`), or set model.kernels='torch' ({e})") from None
+        raise MissingPackage("model.kernels='triton'", "the triton package on a CUDA machine "
+                             "(`pip install triton`)", "or set model.kernels='torch'", e) from None
 
     def qkv_rope(x, attn, cos, sin):
         weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]

@@ -14,6 +14,7 @@ LayerNorm (PaLM-style option) stays on F.layer_norm, already one fused kernel.
 """
 import types
 
+from picotron.config import MissingPackage
 from picotron.model import layer_norm, project_qkv, with_residual
 
 
@@ -21,9 +22,9 @@ def liger_kernels():
     try:
         from liger_kernel.transformers.functional import liger_rms_norm, liger_rope, liger_swiglu
     except ImportError as e:
-        raise ImportError(f"model.kernels='liger' needs liger-kernel on a CUDA machine "
-                          f"(`pip install liger-kernel==0.8.5`), or set model.kernels='torch' "
-                          f"({e})") from None
+        raise MissingPackage("model.kernels='liger'", "liger-kernel on a CUDA machine (`pip "
+                             "install liger-kernel==0.8.5`)", "or set model.kernels='torch'",
+                             e) from None
 
     def rms_norm(x, weight, eps: float):
         # "llama" casting: the statistics in fp32, x * rstd cast back before the gain, exactly

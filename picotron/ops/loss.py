@@ -17,6 +17,8 @@ and gradients against it.
 """
 import torch
 
+from picotron.config import MissingPackage
+
 IGNORE_INDEX = -100        # as torch's cross_entropy: targets equal to it add no loss
 
 
@@ -81,9 +83,9 @@ class LinearCrossEntropy:
             try:
                 from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
             except ImportError as e:
-                raise ImportError(f"training.fused_loss='liger' needs liger-kernel on a CUDA "
-                                  f"machine (`pip install liger-kernel==0.8.5`), or use "
-                                  f"'chunked' ({e})") from None
+                raise MissingPackage("training.fused_loss='liger'", "liger-kernel on a CUDA "
+                                     "machine (`pip install liger-kernel==0.8.5`)",
+                                     "or use 'chunked'", e) from None
             self.liger = liger_fused_linear_cross_entropy
 
     def __call__(self, hidden, targets):
