@@ -15,8 +15,9 @@ synthetic tokens (the same windows for every run), it times:
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
-max_memory_allocated. The table goes to stdout and DIR/bench_speed.txt. The largest
-micro-batch that fits, with and without checkpointing: bench/largest_batch.py.
+max_memory_allocated. With --largest_batch LABELS it then searches those rows' largest
+micro-batch, with and without full checkpointing (bench/largest_batch.py, which also runs
+alone). The table goes to stdout and DIR/bench_speed.txt.
 """
 import argparse
 import gc
@@ -203,43 +204,6 @@ def child(args):
     print("RESULT " + json.dumps(measure(make, args.warmup, args.steps, args.mbs, args.seq)))
 
 
-def attention_backends(emit, shape, mbs, seq):
-    """Forward + backward time of one layer's SDPA call under each backend, (B, H, T, D) bf16,
-    causal: which kernel `model.attn_implementation="sdpa"` should prefer."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    m = resolve_model(shape)
-    H, K = m["num_attention_heads"], m["num_key_value_heads"]
-    D = m["hidden_size"] // H
-    q = torch.randn(mbs, H, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(mbs, K, seq, D, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True) for _ in range(2))
-    flops = 4 * mbs * H * seq * seq * D * 3.5 / 2     # fwd 2 matmuls, bwd 5; causal half
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION):
-        for gqa in ((True, False) if H != K else (False,)):
-            try:
-                def f():
-                    kk, vv = (k, v) if gqa or H == K else (k.repeat_interleave(H // K, 1),
-                                                           v.repeat_interleave(H // K, 1))
-                    with sdpa_kernel(backend):
-                        out = torch.nn.functional.scaled_dot_product_attention(
-                            q, kk, vv, is_causal=True, enable_gqa=gqa and H != K)
-                    out.backward(torch.ones_like(out))
-                for _ in range(3):
-                    f()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(10):
-                    f()
-                torch.cuda.synchronize()
-                ms = (time.perf_counter() - start) / 10 * 1e3
-                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} {ms:7.2f} ms fwd+bwd per layer"
-                     f" ({flops / ms / 1e9:.0f} TFLOP/s causal)")
-            except Exception as e:
-                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} unavailable: "
-                     f"{type(e).__name__}: {str(e)[:80]}")
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
@@ -248,7 +212,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rows", default="", help="comma-separated labels to time (default all)")
-    p.add_argument("--attn_backends", action="store_true")
+    p.add_argument("--largest_batch", default="", help="comma-separated labels: also search "
+                   "their largest micro-batch, with and without checkpointing")
     p.add_argument("--deadline_s", type=float, default=1e9, help="start nothing after this")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
@@ -266,8 +231,6 @@ def main():
         mcfg = config_from_dict(base_config(shape, args.mbs, args.seq)).model
         fpt = flops_per_token(mcfg, args.seq)
         emit(f"\n== {shape}: N = {count_params(mcfg) / 1e6:.1f}M, {fpt / 1e9:.3f} GFLOP/token")
-        if args.attn_backends:
-            attention_backends(emit, shape, args.mbs, args.seq)
         rows = {}
         for label in list(OURS) + ["hf", "hf+liger"]:
             if args.rows and label not in args.rows.split(","):
@@ -288,6 +251,10 @@ def main():
             for label, r in rows.items():
                 emit(f"  {label:36s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
                      f"{r[1] / ref[1]:.2f}x its peak memory")
+    if args.largest_batch:          # after every shape's table: the costly part
+        import largest_batch
+        emit("")
+        largest_batch.report(args.shapes, args.largest_batch, args.seq, 256, emit)
     with open(os.path.join(args.out, "bench_speed.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -10,6 +10,8 @@ out-of-memory error. The search: micro-batch 16, 32, 64, ... while they fit (up 
 then steps of 8 between the last that fit and the first that did not. So the answer is exact
 to 8 sequences, and each row's peak memory at that size is printed with it.
 
+`bench_speed.py --largest_batch LABELS` runs the same search after its table.
+
 Each row runs in its own process (liger's patch of HF's Llama stays in its process) and tries
 its sizes one after another in that process: a 1.7B build and two steps take seconds, a fresh
 process per size ~30 s. After a failed size every reference is dropped and the cache emptied;
@@ -78,6 +80,27 @@ def child(args):
     print("RESULT " + json.dumps(results))
 
 
+def report(shapes, rows, seq, limit, emit):
+    """Search every (shape, row), each row in its own process; one line per result."""
+    emit(f"largest micro-batch that runs two steps (16, 32, ... up to {limit}, then steps of "
+         f"8), seq {seq}, bf16 params, fused AdamW")
+    for shape in shapes.split(","):
+        for label in rows.split(","):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
+                                   "--shapes", shape, "--seq", str(seq), "--limit", str(limit)],
+                                  capture_output=True, text=True)
+            found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if not found:
+                emit(f"{shape} {label}: CRASH rc={proc.returncode} {proc.stderr.strip()[-300:]}")
+                continue
+            for ckpt, (best, peak, tried) in json.loads(found[-1][7:]).items():
+                peak_text = f"{peak:.1f} GB" if peak is not None else "-"
+                emit(f"{shape:12s} {label:12s} checkpointing={ckpt:4s} largest micro-batch "
+                     f"{best} (peak {peak_text}); tried {', '.join(tried)}")
+            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
@@ -89,26 +112,12 @@ def main():
     args = p.parse_args()
     if args.one:
         return child(args)
-    lines = [f"torch {torch.__version__}, seq {args.seq}, bf16 params, fused AdamW; largest "
-             f"micro-batch that runs two steps (16, 32, ... up to {args.limit}, then steps of 8)"]
-    for shape in args.shapes.split(","):
-        for label in args.rows.split(","):
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
-                                   "--shapes", shape, "--seq", str(args.seq), "--limit",
-                                   str(args.limit)], capture_output=True, text=True)
-            found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if not found:
-                lines.append(f"{shape} {label}: CRASH rc={proc.returncode} "
-                             f"{proc.stderr.strip()[-300:]}")
-                print(lines[-1], flush=True)
-                continue
-            for ckpt, (best, peak, tried) in json.loads(found[-1][7:]).items():
-                peak_text = f"{peak:.1f} GB" if peak is not None else "-"
-                lines.append(f"{shape:12s} {label:12s} checkpointing={ckpt:4s} largest "
-                             f"micro-batch {best} (peak {peak_text}); tried {', '.join(tried)}")
-                print(lines[-1], flush=True)
-            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    lines = [f"torch {torch.__version__}"]
+
+    def emit(text):
+        print(text, flush=True)
+        lines.append(text)
+    report(args.shapes, args.rows, args.seq, args.limit, emit)
     with open(os.path.join(args.out, "largest_batch.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -1,7 +1,7 @@
 """Where one training step's GPU time goes: our rows against HF + Liger, kernel by kernel.
 
     python bench/profile_step.py [--shapes SmolLM-360M,SmolLM-1.7B] [--rows "ours liger,hf+liger"]
-                                 [--gemm] [--out DIR]
+                                 [--gemm] [--attn_backends] [--out DIR]
 
 Each row runs in its own process through bench_speed.py's runners (the same models, data and
 optimizers as the benchmark): 3 warm-up steps, then 2 steps under torch.profiler. Per row it
@@ -9,7 +9,8 @@ prints the wall time per step, the GPU busy time per step (the union of kernel i
 minus busy is time the GPU waited on the CPU), kernel time by category, and the aten ops with
 the most device time. `--gemm` adds a matmul microbench: the separate q/k/v and gate/up
 projections against one fused matmul each, forward plus both backward products (dX, dW), which
-predicts what fusing the projections can buy. Full tables go to DIR/profile_<shape>_<row>.txt.
+predicts what fusing the projections can buy; `--attn_backends` times one layer's SDPA under
+each backend (flash, cuDNN, memory-efficient). Full tables go to DIR/profile_<shape>_<row>.txt.
 """
 import argparse
 import json
@@ -18,6 +19,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -155,6 +157,44 @@ def gemm_bench(emit, shape, mbs, seq):
              f"{tf:6.3f} ms ({flops / tf / 1e9:.0f} TFLOP/s)  saves {ts - tf:.3f} ms per layer")
 
 
+def attention_backends(emit, shape, mbs, seq):
+    """Forward + backward time of one layer's SDPA call under each backend, (B, H, T, D) bf16,
+    causal: which kernel `model.attn_implementation="sdpa"` should prefer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from picotron.presets import resolve_model
+    m = resolve_model(shape)
+    H, K = m["num_attention_heads"], m["num_key_value_heads"]
+    D = m["hidden_size"] // H
+    q = torch.randn(mbs, H, seq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(mbs, K, seq, D, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    flops = 4 * mbs * H * seq * seq * D * 3.5 / 2     # fwd 2 matmuls, bwd 5; causal half
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in ((True, False) if H != K else (False,)):
+            try:
+                def f():
+                    kk, vv = (k, v) if gqa or H == K else (k.repeat_interleave(H // K, 1),
+                                                           v.repeat_interleave(H // K, 1))
+                    with sdpa_kernel(backend):
+                        out = torch.nn.functional.scaled_dot_product_attention(
+                            q, kk, vv, is_causal=True, enable_gqa=gqa and H != K)
+                    out.backward(torch.ones_like(out))
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(10):
+                    f()
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) / 10 * 1e3
+                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} {ms:7.2f} ms fwd+bwd per layer"
+                     f" ({flops / ms / 1e9:.0f} TFLOP/s causal)")
+            except Exception as e:
+                emit(f"  sdpa {backend.name:22s} gqa={gqa!s:5s} unavailable: "
+                     f"{type(e).__name__}: {str(e)[:80]}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
@@ -162,6 +202,7 @@ def main():
     p.add_argument("--mbs", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--gemm", action="store_true")
+    p.add_argument("--attn_backends", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -176,6 +217,8 @@ def main():
         emit(f"== {shape}, mbs {args.mbs}, seq {args.seq}")
         if args.gemm:
             gemm_bench(emit, shape, args.mbs, args.seq)
+        if args.attn_backends:
+            attention_backends(emit, shape, args.mbs, args.seq)
         for label in args.rows.split(","):
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
                                    "--shapes", shape, "--mbs", str(args.mbs), "--seq",
