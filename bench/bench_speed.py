@@ -211,6 +211,8 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all rows, alternating; "
+                   "the ratio is the median of the rounds' ratios")
     p.add_argument("--rows", default="", help="comma-separated labels to time (default all)")
     p.add_argument("--largest_batch", default="", help="comma-separated labels: also search "
                    "their largest micro-batch, with and without checkpointing")
@@ -231,26 +233,30 @@ def main():
         mcfg = config_from_dict(base_config(shape, args.mbs, args.seq)).model
         fpt = flops_per_token(mcfg, args.seq)
         emit(f"\n== {shape}: N = {count_params(mcfg) / 1e6:.1f}M, {fpt / 1e9:.3f} GFLOP/token")
-        rows = {}
-        for label in list(OURS) + ["hf", "hf+liger"]:
-            if args.rows and label not in args.rows.split(","):
+        labels = [x for x in list(OURS) + ["hf", "hf+liger"]
+                  if not args.rows or x in args.rows.split(",")]
+        runs = {label: [] for label in labels}      # label -> one result per round
+        for round_ in range(args.repeats):          # rows alternate: drift hits all alike
+            for label in labels:
+                if time.time() > deadline:
+                    emit(f"{label:38s} skipped (deadline)")
+                    continue
+                t0 = time.perf_counter()
+                r = run_one(args, label, shape, args.mbs)
+                if isinstance(r, str):
+                    emit(f"{label:38s} {r}")
+                    continue
+                runs[label].append(r)
+                emit(f"{label:38s} {r[0]:>9,.0f} tok/s  MFU {100 * r[0] * fpt / PEAK:5.1f}%  "
+                     f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  ({time.perf_counter() - t0:.0f} s)")
+        ref = runs.get("hf+liger")
+        for label, rs in runs.items():
+            if not (ref and rs and len(rs) == len(ref)):
                 continue
-            if time.time() > deadline:
-                emit(f"{label:38s} skipped (deadline)")
-                continue
-            t0 = time.perf_counter()
-            r = run_one(args, label, shape, args.mbs)
-            if isinstance(r, str):
-                emit(f"{label:38s} {r}")
-                continue
-            rows[label] = r
-            emit(f"{label:38s} {r[0]:>9,.0f} tok/s  MFU {100 * r[0] * fpt / PEAK:5.1f}%  "
-                 f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  ({time.perf_counter() - t0:.0f} s)")
-        if "hf+liger" in rows:
-            ref = rows["hf+liger"]
-            for label, r in rows.items():
-                emit(f"  {label:36s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
-                     f"{r[1] / ref[1]:.2f}x its peak memory")
+            ratios = sorted(r[0] / h[0] for r, h in zip(rs, ref))   # within each round
+            spread = f" (rounds: {', '.join(f'{x:.3f}' for x in ratios)})" if len(rs) > 1 else ""
+            emit(f"  {label:36s} {statistics.median(ratios):.2f}x HF+Liger tokens/s{spread}, "
+                 f"{max(r[1] for r in rs) / max(h[1] for h in ref):.2f}x its peak memory")
     if args.largest_batch:          # after every shape's table: the costly part
         import largest_batch
         emit("")
