@@ -175,9 +175,10 @@ def main(argv=None):
                   "tokens": tokens_seen, "tokens_per_s": tokens_per_s,
                   "tokens_per_s_per_gpu": per_gpu, "tflops_per_gpu": per_gpu * flops_tok / 1e12,
                   "mfu": per_gpu * flops_tok / peak if peak else None,
-                  "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time}
+                  "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time,
+                  "skipped": bool(skipped)}      # a non-finite gradient norm: no update
         if t.dtype == "float16":
-            record.update(loss_scale=optimizer.scaler.scale, skipped=bool(skipped))
+            record["loss_scale"] = optimizer.scaler.scale
         metrics.write(record)
         if is_logger and (step + 1) % config.logging.log_frequency == 0:
             print(format_step(record), flush=True)

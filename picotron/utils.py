@@ -99,7 +99,6 @@ def format_step(r: dict) -> str:
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
             f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms"
-            + (f" | loss scale {r['loss_scale']:g}" + (" (overflow: step skipped)"
-                                                      if r["skipped"] else "")
-               if "loss_scale" in r else ""))
+            + (f" | loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
+            + (" | non-finite gradient: step skipped" if r.get("skipped") else ""))
 

@@ -129,6 +129,21 @@ def test_fp16_training_skips_overflowing_steps_and_trains(tmp_path):
     assert sum(r["loss"] for r in good[-10:]) / 10 < records[0]["loss"] - 0.5   # it learns
 
 
+def test_a_non_finite_gradient_skips_the_update_in_any_dtype(tmp_path):
+    """fp32 (no loss scaler): a learning rate of 1e30 turns the weights into ~1e30 after the
+    first update, the next forward overflows, and from then on the gradient norm is not
+    finite. Those steps must be recorded as skipped and leave the weights as they were."""
+    path = write_config(tmp_path, "nan", TINY + ["--learning_rate", "1e30", "--set",
+                                                 "training.warmup_steps=0", "--set",
+                                                 "training.min_lr_ratio=1.0"])
+    launch(path, 1)
+    records = read_metrics(path)
+    assert [r["skipped"] for r in records] == [False] + [True] * 4, records
+    assert all(not torch.isfinite(torch.tensor(r["grad_norm"])) for r in records[1:])
+    after_first = final_weights(path)           # saved after step 5: still step 1's weights
+    assert all(torch.isfinite(w).all() for w in after_first.values())
+
+
 def test_precision_regimes_hold_the_stated_optimizer_state(measured):
     """Bytes of optimizer state per parameter: fp32 params, two fp32 moments (8); bf16 with
     fp32 master weights, master + two fp32 moments (12); bf16 without (picotron's regime),
