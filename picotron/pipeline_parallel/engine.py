@@ -23,6 +23,9 @@ Gradient reductions (data_parallel's buckets) start during this rank's last back
 buckets it completes; the rest, and the tied embedding's sum across the pipeline's two ends,
 start in `grads.finish()` (a blocking sum inside a backward would stall this stage before it
 sends its gradients on).
+
+`pipeline_forward` is the forward-only pass validation uses: one micro-batch, the stages one
+after the other, no schedule.
 """
 import functools
 
@@ -113,6 +116,32 @@ def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=
         exchange(sends, recvs, pgm.pp_group)
     assert not (stash or inbox or outbox), "schedule left work undone"
     return total, peak
+
+
+def pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm):
+    """One micro-batch forward through the pipeline, no backward: the mean loss on the ranks
+    of the last virtual stage, None on the others.
+
+    The virtual stages s = 0 .. pp*v-1 run one after the other (validation is rare, so no
+    schedule overlaps them): the rank holding stage s (s % pp) receives its input from the
+    holder of s - 1, runs its chunk and sends the output on, exactly what a training forward
+    sends. Every rank walks the same sequence, so each send meets its receive in order."""
+    pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
+    chunks = rank_chunks(config, rank)
+    last = pp * len(chunks) - 1
+    (_, T, C), dtype = message_spec(config)
+    applies_head = getattr(loss_fn, "applies_head", False)
+    x, loss = inputs, None                          # token ids (B, T) on the first stage
+    for s in range(rank, last + 1, pp):             # this rank's virtual stages, in order
+        if s > 0:
+            x = torch.empty((inputs.shape[0], T, C), dtype=dtype, device=inputs.device)
+            exchange([], [(x, ranks[(s - 1) % pp])], pgm.pp_group)
+        out = forward_step(model, x, positions, chunks[s // pp], head=not applies_head)
+        if s == last:
+            loss = loss_fn(out, targets)
+        else:
+            exchange([(out, ranks[(s + 1) % pp])], [], pgm.pp_group)
+    return loss
 
 
 def pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
