@@ -14,13 +14,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from picotron.attention import resolve_attention
 from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_root
 from picotron.config import ConfigError, MissingPackage, load_config
 from picotron.context_parallel import apply_context_parallel, shard_sequence
 from picotron.data import DataError, build_train_val, data_state, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.hf_io import load_hf_weights
-from picotron.attention import resolve_attention
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
                                         pipeline_train_step)

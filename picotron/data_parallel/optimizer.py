@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from picotron.comm import all_gather_single
 from picotron.config import MissingPackage
-
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
 
 
@@ -73,6 +72,8 @@ class DistributedAdamW:
             self.optimizers.append(torch.optim.AdamW(
                 groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                 foreach=True))
+        # resolved now, so a missing triton stops the build, not the first step
+        self.adamw_step = _triton_adamw() if self.triton else None
 
     def global_grad_norm(self):
         """L2 norm of the whole model's gradient, from this rank's shards.
@@ -137,8 +138,7 @@ class DistributedAdamW:
             for group in opt.param_groups:
                 group["lr"] = lr
             if self.triton and opt is self.optimizers[0]:
-                adamw_step = _triton_adamw()
-                adamw_step(opt, on_device, writes, scalars)
+                self.adamw_step(opt, on_device, writes, scalars)
             else:
                 opt.step()
         for master, shard, offload in zip(self.masters, self.param_shards, self.offloaded):

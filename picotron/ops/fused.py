@@ -17,7 +17,6 @@ forward and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1
 import types
 
 from picotron.config import MissingPackage
-
 from picotron.ops.fused_linear import fused_linear
 
 
