@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -92,8 +93,11 @@ def train(args, name, world, flags, timeout=900):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return f"TIMEOUT after {timeout} s"
-    if proc.returncode != 0:
-        return f"FAILED rc={proc.returncode}: {proc.stderr.strip()[-600:]}"
+    if proc.returncode != 0:       # the ranks' own error lines, not torchrun's summary
+        errors = [ln for ln in proc.stderr.splitlines()
+                  if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", ln)]
+        return f"FAILED rc={proc.returncode}: " + (
+            "\n".join(dict.fromkeys(errors)) or proc.stderr.strip()[-600:])
     with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "loss" in r]
 

@@ -111,10 +111,12 @@ class GradBuckets:
         check it once, cheaply, so a broken init can never train silently apart."""
         if self.size == 1:
             return
-        checksum = torch.stack([p.detach().double().sum() for p in params]).cpu()
+        # every tensor of a collective on the parameters' device: NCCL takes a CPU output
+        # buffer as a device pointer (an illegal memory access on the GPU, garbage here)
+        checksum = torch.stack([p.detach().double().sum() for p in params])
         gathered = [torch.zeros_like(checksum) for _ in range(self.size)]
-        dist.all_gather(gathered, checksum.to(params[0].device), group=self.group)
-        if any(not torch.equal(g.cpu(), checksum) for g in gathered):
+        dist.all_gather(gathered, checksum, group=self.group)
+        if any(not torch.equal(g, checksum) for g in gathered):
             raise RuntimeError("initial weights differ across data-parallel replicas")
 
     @property
