@@ -100,3 +100,22 @@ def test_skip_flag_writes_nothing(problem):
                                skip=1.0)
     for g, w, m in zip(got, weights, got_m):
         assert torch.equal(g, w) and not m.any()
+
+
+def test_a_skipped_step_is_not_counted(problem):
+    """A non-finite step (skip flag set) must leave AdamW's step count t alone, as torch's fused
+    AdamW does with found_inf: the steps after it are then those of a torch AdamW that never saw
+    it. Counting it would make every later bias correction use t + 1 (t = 4 on the step after
+    the skip, where torch has t = 3: updates ~10% off, 1e-2 in the weights), far outside the
+    fp32 tolerance of test_fp32_matches_torch, which holds here too: the same arithmetic."""
+    weights, steps = problem
+    want, want_m = reference(weights, steps[:2] + steps[3:], torch.float32, 3e-3, 0.1, 0.5)
+    shards = [w.detach().clone() for w in weights]
+    opt = torch.optim.AdamW(shards, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for i, grads in enumerate(steps):
+        # step 3 (index 2) overflowed: the flag is a device tensor, as DistributedAdamW makes it
+        scalars = torch.tensor([0.5, 1.0 if i == 2 else 0.0], device=DEVICE)
+        adamw_step(opt, dict(zip(shards, grads)), {}, scalars)
+    for s, w, m, wm in zip(shards, want, [opt.state[s]["exp_avg"] for s in shards], want_m):
+        assert rel(s, w) < 1e-6 and rel(m, wm) < 1e-6, (rel(s, w), rel(m, wm))
+    assert all(int(opt.state[s]["step"]) == 4 for s in shards)    # what a checkpoint saves
