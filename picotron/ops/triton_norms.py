@@ -12,8 +12,8 @@ What they save:
   the memory traffic (0.22 ms at (32768, 960) bf16 on an H200, for ~190 MB read and written,
   i.e. ~0.05 ms at ~4 TB/s). Here each program loads a tile of BLOCK_M rows at once, several
   programs share each SM, and each keeps its weight-gradient partial in fp32 registers.
-Measured (bench/profile_step.py, H200): the RMSNorm backward 7.5 ms per step at 360M's
-(32768, 960), 2x faster than liger's, still ~2x above the bandwidth floor at that width.
+Measured on an H200 (bench/norm_tiles.py): at 360M's (32768, 960) the backward moves its
+bytes at 83% of the copy rate (54 us a call; liger's took 220), the forward at 83-90%.
 
 The residual form (add_rms_norm, add_layer_norm) also takes the decoder layer's residual add,
 h = x + delta, and returns h with norm(h): forward, h is written once and never read back;
@@ -117,26 +117,30 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dh_ptr, dx_ptr, dw_ptr, mean_ptr, rstd_ptr, 
     tl.store(dw_ptr + pid * C + cols, dw, mask=col_ok)
 
 
-def _tile(C):
-    """(BLOCK_C, BLOCK_M, num_warps) for rows of C: a tile of BLOCK_M x BLOCK_C = 4K elements
-    on 8 warps, 16 per thread per tensor; small C gets more rows, up to 16. Registers, not rows,
-    bound what an SM has in flight: ptxas (sm_90, Triton 3.6) gives the backward ~60 registers
-    at 8 elements per thread, 105-121 at 16, 185-255 at 32, and spills at 64, so each choice
-    keeps ~8K elements of x and dy per SM in flight; 16 does it with 2 programs per SM.
-    C = 960 -> (1024, 4, 8), 2048 -> (2048, 2, 8), 8192 -> (8192, 1, 16)."""
+def _tile(C, backward=False):
+    """(BLOCK_C, BLOCK_M, num_warps) for rows of C: a tile of BLOCK_M x BLOCK_C = 4K elements,
+    small C gets more rows (up to 16). Forward: 8 warps, 16 elements per thread per tensor.
+    Backward: 32 per thread (4 warps at 4K), run 4 programs per SM (`_programs`): the
+    backward is bound by how many bytes of x and dy each SM has in flight, and swept on an
+    H200 (bench/norm_tiles.py, N = 32768) this takes the RMSNorm backward from 110 to 54 us at
+    C = 960 (40% -> 83% of the copy-rate floor; residual form 127 -> 70 us) and from 113 to
+    105 us at C = 2048, where 16 per thread on 2 programs per SM was the choice before. The
+    forward was within 10-17% of its floor with every tile tried. (ptxas, sm_90, Triton 3.6:
+    the backward takes 185-255 registers at 32 per thread and spills at 64.)
+    C = 960 -> (1024, 4, 8) forward, (1024, 4, 4) backward; 2048 -> (2048, 2, 8) / (2048, 2, 4)."""
     assert C <= MAX_C, f"C={C}: these kernels hold one row in registers, C <= {MAX_C}"
     BLOCK_C = triton.next_power_of_2(C)
     BLOCK_M = min(16, max(1, 4096 // BLOCK_C))
-    num_warps = min(16, max(1, BLOCK_M * BLOCK_C // 512))
+    per_thread = 32 if backward else 16
+    num_warps = min(16, max(1, BLOCK_M * BLOCK_C // (32 * per_thread)))
     return BLOCK_C, BLOCK_M, num_warps
 
 
 def _programs(device, num_warps, row_blocks):
-    """The backward's grid: 16 warps per SM, the most that stays resident at ~120 registers
-    per thread (64K registers / (128 x 32 lanes)), so all programs run in one wave (or, if a
-    compiler needs more registers, in two equal ones) and the (P, C) fp32 partials stay small
-    (1 MB at C = 960). On CPU (the interpreter, in tests) 4, so a short test already walks
-    several row blocks per program."""
+    """The backward's grid: 16 warps per SM (4 programs of 4 warps), so all programs run in
+    one or two equal waves and the (P, C) fp32 partials stay small (2 MB at C = 960). On CPU
+    (the interpreter, in tests) 4, so a short test already walks several row blocks per
+    program."""
     per_sm = max(1, 16 // num_warps)
     slots = 4 if device.type != "cuda" else per_sm * _sm_count(device)
     return max(1, min(slots, row_blocks))
@@ -181,7 +185,7 @@ def _norm_backward(saved, dy, dh, rms):
     (N, C), dev = x2d.shape, x2d.device
     # a fresh dx, never dy's memory: an incoming gradient may be read elsewhere too
     dx = torch.empty((N, C), dtype=x2d.dtype, device=dev)
-    BLOCK_C, BLOCK_M, num_warps = _tile(C)
+    BLOCK_C, BLOCK_M, num_warps = _tile(C, backward=True)
     programs = _programs(dev, num_warps, triton.cdiv(N, BLOCK_M))
     dw = torch.empty((programs, C), dtype=torch.float32, device=dev)   # every row written
     _norm_bwd[(programs,)](x2d, weight, dy2d, dh2d, dx, dw, mean, rstd, N, C, x2d.stride(0),
