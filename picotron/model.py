@@ -173,13 +173,20 @@ class DecoderLayer(nn.Module):
                                          else norm(cfg.hidden_size, cfg.rms_norm_eps, kernels))
         self.mlp = MLP(cfg, kernels)
 
-    def forward(self, x, cos, sin, position_ids):
-        h = self.input_layernorm(x)
+    def forward(self, x, delta, cos, sin, position_ids):
+        """The residual stream arrives as x + delta, the last add of the layer before left
+        undone (delta None for the first layer), and leaves the same way: each add is done by
+        the norm that reads its sum (one kernel on fast paths, model.with_residual here)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm(x, delta)       # x + delta, n1(x + delta)
         if self.parallel_residual:                      # x + attn(n(x)) + mlp(n(x))
-            return x + self.self_attn(h, cos, sin, position_ids) + self.mlp(h)
-        # x + attn(n1(x)), then + mlp(n2(.)); the add and n2 as one op (fused on fast paths)
+            return x, self.self_attn(h, cos, sin, position_ids) + self.mlp(h)
+        # x + attn(n1(x)), then + mlp(n2(.)): the first add is done by n2, the second by the
+        # next layer's n1 (or the final norm)
         x, h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, position_ids))
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class Decoder(nn.Module):
@@ -217,16 +224,21 @@ class Decoder(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=x.device).expand(B, T)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, x.dtype)
+        delta = None                        # the residual stream is x + delta (see the layer)
         for key in keys:
             layer = self.layers[key]
             if self.checkpointing == "none" or not torch.is_grad_enabled():
-                x = layer(x, cos, sin, position_ids)
-            else:
-                x = checkpointed(layer, self.checkpointing, x, cos, sin, position_ids)
+                x, delta = layer(x, delta, cos, sin, position_ids)
+                continue
+            if self.checkpointing == "full" and delta is not None:
+                x, delta = x + delta, None      # "full" keeps one (B, T, C) input, not two
+            x, delta = checkpointed(layer, self.checkpointing, x, delta, cos, sin, position_ids)
         if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
-            return x
+            return x if delta is None else x + delta    # one tensor to the next stage
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.norm(x) if delta is None else self.norm(x, delta)[1]
+        elif delta is not None:
+            x = x + delta
         if self.lm_head is not None and head:
             x = self.lm_head(x)                                            # (B, T, V)
         return x
