@@ -49,10 +49,12 @@ def setup(config_path):
         backend = "nccl"
     # A rank blocked longer than timeout_s (e.g. receiving from a stage that died) fails.
     timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
-    if "RANK" in os.environ:      # launched by torchrun: rendezvous through its variables
+    # An existing group is kept: a caller may run several trainings in one process
+    # (tests/test_4d.py runs every layout in one launch).
+    if not dist.is_initialized() and "RANK" in os.environ:   # torchrun: its variables
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    else:                         # plain `python train.py`: a one-process group in memory
+    elif not dist.is_initialized():     # plain `python train.py`: a one-process group
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
     pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size, timeout=timeout)
@@ -121,6 +123,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     # ---- set-up -------------------------------------------------------------------------
+    owns_group = not dist.is_initialized()
     config, pgm, device = setup(args.config)
     t = config.training
     set_seed(t.seed)
@@ -192,7 +195,8 @@ def main(argv=None):
             save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
                             {"tokens_seen": tokens_seen, "data": data_state(config, step + 1,
                                                                             data)})
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

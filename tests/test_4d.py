@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, final_weights, launch, read_metrics, write_config
+from launch import ROOT, final_weights, launch_script, read_metrics, write_config
 
 # (dp, tp, pp, cp, model preset, pp_engine, zero_stage, sequence_parallel). PaLM-style models
 # use multi-query attention (one kv head), which tensor parallelism cannot split: tp = 1 there.
@@ -59,20 +59,39 @@ def readme_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One single-process run per model, the same global batch by accumulation."""
-    runs = {}
+# test_checkpoint_moves_between_layouts: 3 steps as 2x2x2x1 (ZeRO-1), 3 more as
+# 1x4x2x1 from that checkpoint, 3 more in one process. Constant learning rate, so the schedule
+# does not depend on where a run stops.
+MOVES = [((2, 2, 2, 1), 3), ((1, 4, 2, 1), 6), ((1, 1, 1, 1), 9)]
+FLAT = ["--set", "training.warmup_steps=0", "--set", "training.min_lr_ratio=1.0"]
 
-    def get(model):
-        if model not in runs:
-            path = write_config(tmp_path_factory.mktemp("ref"), "ref", TINY + [
-                "--model_name", model, "--total_train_steps", str(STEPS)]
-                + layout_flags(1, 1, 1, 1))
-            launch(path, 1)
-            runs[model] = path
-        return runs[model]
-    return get
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every training of this file, in two launches (tests/workers/train_many.py: one
+    train.main after another, the start-up paid once): the 8-rank ones, then the one-process
+    ones, which include the references (the same global batch by accumulation) and the last
+    part of the checkpoint move. Returns {name: config path}."""
+    root = tmp_path_factory.mktemp("4d")
+    paths = {name(lay): write_config(root, name(lay), TINY + [
+        "--model_name", lay[4], "--total_train_steps", str(STEPS)]
+        + layout_flags(*lay[:4], *lay[5:])) for lay in LAYOUTS}
+    for model in ("debug", "debug-palm"):
+        paths[f"ref-{model}"] = write_config(root, f"ref-{model}", TINY + [
+            "--model_name", model, "--total_train_steps", str(STEPS)] + layout_flags(1, 1, 1, 1))
+    previous = None
+    for i, (layout, total) in enumerate(MOVES):
+        extra = [] if previous is None else ["--set", f"checkpoint.load_path={previous}"]
+        paths[f"part{i}"] = write_config(root, f"part{i}", TINY + FLAT + extra + [
+            "--total_train_steps", str(total)] + layout_flags(*layout, zero=int(i == 0)))
+        previous = os.path.join(root, f"part{i}", "checkpoints", f"step_{total:06d}")
+    paths["whole"] = write_config(root, "whole", TINY + FLAT + ["--total_train_steps", "9"]
+                                  + layout_flags(1, 1, 1, 1))
+    many = os.path.join(ROOT, "tests", "workers", "train_many.py")
+    eight = [paths[name(lay)] for lay in LAYOUTS] + [paths["part0"], paths["part1"]]
+    launch_script(many, 8, eight, timeout=1500)
+    launch_script(many, 1, [paths[k] for k in ("ref-debug", "ref-debug-palm", "part2", "whole")])
+    return paths
 
 
 def assert_same_losses(ref, run, steps):
@@ -94,13 +113,8 @@ def assert_same_weights(ref_path, run_path):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[name(lay) for lay in LAYOUTS])
-def test_layout_matches_single_process(tmp_path, reference, layout):
-    dp, tp, pp, cp, model, engine, zero, sp = layout
-    path = write_config(tmp_path, "run", TINY + ["--model_name", model, "--total_train_steps",
-                                                 str(STEPS)]
-                        + layout_flags(dp, tp, pp, cp, engine, zero, sp))
-    launch(path, 8)
-    ref = reference(model)
+def test_layout_matches_single_process(runs, layout):
+    path, ref = runs[name(layout)], runs[f"ref-{layout[4]}"]
     assert_same_losses(read_metrics(ref), read_metrics(path), list(range(1, STEPS + 1)))
     # the validation loss after the last step: through the pipeline when pp > 1
     val_ref, val_run = ([r["val_loss"] for r in read_metrics(p) if "val_loss" in r]
@@ -109,29 +123,14 @@ def test_layout_matches_single_process(tmp_path, reference, layout):
     assert_same_weights(ref, path)
 
 
-def test_checkpoint_moves_between_layouts(tmp_path):
-    """3 steps as dp2-tp2-pp2, 3 more as tp4-pp2 from that checkpoint, 3 more in one process:
-    every loss equals the uninterrupted single-process run. Constant learning rate, so the
-    schedule does not depend on where a run stops."""
-    flat = ["--set", "training.warmup_steps=0", "--set", "training.min_lr_ratio=1.0"]
-    stages = [((2, 2, 2, 1), 3), ((1, 4, 2, 1), 6), ((1, 1, 1, 1), 9)]
-    previous = None
-    for i, (layout, total) in enumerate(stages):
-        extra = [] if previous is None else ["--set", f"checkpoint.load_path={previous}"]
-        path = write_config(tmp_path, f"part{i}", TINY + flat + extra + [
-            "--total_train_steps", str(total), "--zero_stage", "1" if i == 0 else "0"]
-            + layout_flags(*layout))
-        launch(path, layout[0] * layout[1] * layout[2] * layout[3])
-        previous = os.path.join(os.path.dirname(path), "checkpoints", f"step_{total:06d}")
-    whole = write_config(tmp_path, "whole", TINY + flat + ["--total_train_steps", "9"]
-                         + layout_flags(1, 1, 1, 1))
-    launch(whole, 1)
-    ref = read_metrics(whole)
-    for i, (layout, total) in enumerate(stages):
-        part = read_metrics(os.path.join(tmp_path, f"part{i}", "config.json"))
+def test_checkpoint_moves_between_layouts(runs):
+    """MOVES: every loss equals the uninterrupted single-process run, and so do the weights."""
+    ref = read_metrics(runs["whole"])
+    for i, (layout, total) in enumerate(MOVES):
+        part = read_metrics(runs[f"part{i}"])
         assert_same_losses(ref, [r for r in part if "loss" in r and r["step"] > total - 3],
                            list(range(total - 2, total + 1)))
-    assert_same_weights(whole, os.path.join(tmp_path, "part2", "config.json"))
+    assert_same_weights(runs["whole"], runs["part2"])
 
 
 def test_readme_lists_the_proven_layouts():
