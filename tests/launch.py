@@ -31,6 +31,13 @@ def launch(config_path: str, nproc: int, timeout: int = 600) -> subprocess.Compl
     return launch_script(train, nproc, ["--config", config_path], timeout)
 
 
+def launch_many(config_paths: list, nproc: int, timeout: int = 1200):
+    """Train every config, in order, in one launch of `nproc` gloo ranks
+    (tests/workers/train_many.py): the interpreter and torch start-up are paid once."""
+    return launch_script(os.path.join(ROOT, "tests", "workers", "train_many.py"), nproc,
+                         config_paths, timeout)
+
+
 def read_metrics(config_path: str) -> list:
     with open(os.path.join(os.path.dirname(config_path), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, final_weights, launch_script, read_metrics, write_config
+from launch import ROOT, final_weights, launch_many, read_metrics, write_config
 
 # (dp, tp, pp, cp, model preset, pp_engine, zero_stage, sequence_parallel). PaLM-style models
 # use multi-query attention (one kv head), which tensor parallelism cannot split: tp = 1 there.
@@ -87,10 +87,8 @@ def runs(tmp_path_factory):
         previous = os.path.join(root, f"part{i}", "checkpoints", f"step_{total:06d}")
     paths["whole"] = write_config(root, "whole", TINY + FLAT + ["--total_train_steps", "9"]
                                   + layout_flags(1, 1, 1, 1))
-    many = os.path.join(ROOT, "tests", "workers", "train_many.py")
-    eight = [paths[name(lay)] for lay in LAYOUTS] + [paths["part0"], paths["part1"]]
-    launch_script(many, 8, eight, timeout=1500)
-    launch_script(many, 1, [paths[k] for k in ("ref-debug", "ref-debug-palm", "part2", "whole")])
+    launch_many([paths[name(lay)] for lay in LAYOUTS] + [paths["part0"], paths["part1"]], 8)
+    launch_many([paths[k] for k in ("ref-debug", "ref-debug-palm", "part2", "whole")], 1)
     return paths
 
 

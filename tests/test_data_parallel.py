@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from launch import ROOT, final_weights, launch, launch_script, read_metrics, write_config
+from launch import (ROOT, final_weights, launch, launch_many, launch_script, read_metrics,
+                    write_config)
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
@@ -33,29 +34,39 @@ def assert_same_run(ref_path, run_path):
         torch.testing.assert_close(w_run[name], w_ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Single-process runs, one per (micro-batches per step, model), shared between cases."""
-    runs = {}
+def case_name(dp, acc, zero, extra):
+    return f"dp{dp}-acc{acc}-zero{zero}" + ("-palm" if extra is PALM else "") + (
+        "-offload" if extra is OFFLOAD else "")
 
-    def get(accumulation, model_flags):
-        key = (accumulation, tuple(model_flags))
-        if key not in runs:
-            path = write_config(tmp_path_factory.mktemp("ref"), "ref",
-                                TINY + model_flags + ["--grad_acc_steps", str(accumulation)])
-            launch(path, 1)
-            runs[key] = path
-        return runs[key]
-    return get
+
+def reference_name(dp, acc, extra):
+    """Single-process runs, one per (micro-batches per step, model), shared between cases."""
+    return f"ref-acc{acc * dp}" + ("-palm" if extra is PALM else "")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case and its reference, one launch per world size (tests/launch.py launch_many).
+    Returns {name: config path}."""
+    root, paths, by_world = tmp_path_factory.mktemp("dp"), {}, {}
+    for dp, acc, zero, extra in CASES:
+        ref = reference_name(dp, acc, extra)
+        if ref not in paths:     # the same global batch in one process, accumulated
+            paths[ref] = write_config(root, ref, TINY + (extra if extra is PALM else []) +
+                                      ["--grad_acc_steps", str(acc * dp)])
+            by_world.setdefault(1, []).append(paths[ref])
+        key = case_name(dp, acc, zero, extra)
+        paths[key] = write_config(root, key, TINY + extra + [
+            "--grad_acc_steps", str(acc), "--dp", str(dp), "--zero_stage", str(zero)])
+        by_world.setdefault(dp, []).append(paths[key])
+    for world, configs in by_world.items():
+        launch_many(configs, world)
+    return paths
 
 
 @pytest.mark.parametrize("dp,acc,zero,extra", CASES)
-def test_dp_matches_single_process(tmp_path, reference, dp, acc, zero, extra):
-    run = write_config(tmp_path, "dp", TINY + extra + ["--grad_acc_steps", str(acc), "--dp",
-                                                      str(dp), "--zero_stage", str(zero)])
-    launch(run, dp)
-    # The same global batch in one process: dp * acc micro-batches, accumulated.
-    assert_same_run(reference(acc * dp, extra if extra is PALM else []), run)
+def test_dp_matches_single_process(runs, dp, acc, zero, extra):
+    assert_same_run(runs[reference_name(dp, acc, extra)], runs[case_name(dp, acc, zero, extra)])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from launch import ROOT, final_weights, free_port, launch, read_metrics, write_config
+from launch import ROOT, final_weights, free_port, launch_many, read_metrics, write_config
 from picotron.config import ConfigError, config_from_dict
 from picotron.pipeline_parallel.schedules import (idle_slots, peak_alive, rank_steps,
                                                   schedule_orders, timeline)
@@ -114,28 +114,34 @@ CASES = [      # (model, pp, engine, dp, tp, cp); dp 2 halves the micro-batches:
 ]
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One single-process run per model, made on first use."""
-    root, runs = tmp_path_factory.mktemp("reference"), {}
+def case_name(model, pp, engine, dp, tp, cp):
+    return f"{model}-pp{pp}-{engine}-dp{dp}-tp{tp}-cp{cp}"
 
-    def get(model):
-        if model not in runs:
-            runs[model] = write_config(root, model, TINY + MODELS[model] +
-                                       ["--grad_acc_steps", str(ACCUM)])
-            launch(runs[model], 1)
-        return runs[model]
-    return get
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case and its single-process reference (the same batch by accumulation), one
+    launch per world size (tests/launch.py launch_many). Returns {name: config path}."""
+    root, paths, by_world = tmp_path_factory.mktemp("pp"), {}, {}
+    for model in MODELS:
+        paths[model] = write_config(root, model, TINY + MODELS[model] +
+                                    ["--grad_acc_steps", str(ACCUM)])
+        by_world.setdefault(1, []).append(paths[model])
+    for model, pp, engine, dp, tp, cp in CASES:
+        key = case_name(model, pp, engine, dp, tp, cp)
+        paths[key] = write_config(root, key, TINY + MODELS[model] + [
+            "--pp", str(pp), "--pp_engine", engine, "--dp", str(dp), "--tp", str(tp),
+            "--cp", str(cp), "--set", f"distributed.sequence_parallel={json.dumps(tp > 1)}",
+            "--grad_acc_steps", str(ACCUM // dp)])
+        by_world.setdefault(pp * dp * tp * cp, []).append(paths[key])
+    for world, configs in by_world.items():
+        launch_many(configs, world)
+    return paths
 
 
 @pytest.mark.parametrize("model, pp, engine, dp, tp, cp", CASES)
-def test_pipeline_matches_one_process(tmp_path, references, model, pp, engine, dp, tp, cp):
-    ref = references(model)
-    cfg = write_config(tmp_path, "pp", TINY + MODELS[model] + [
-        "--pp", str(pp), "--pp_engine", engine, "--dp", str(dp), "--tp", str(tp), "--cp", str(cp),
-        "--set", f"distributed.sequence_parallel={json.dumps(tp > 1)}",
-        "--grad_acc_steps", str(ACCUM // dp)])
-    launch(cfg, pp * dp * tp * cp)
+def test_pipeline_matches_one_process(runs, model, pp, engine, dp, tp, cp):
+    cfg, ref = runs[case_name(model, pp, engine, dp, tp, cp)], runs[model]
     ours, theirs = read_metrics(cfg), read_metrics(ref)
     assert [r["step"] for r in ours] == [1, 2, 3, 4, 5]
     for a, b in zip(ours, theirs):
