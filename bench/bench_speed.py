@@ -52,6 +52,7 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton fp32-master": (True, "triton", "liger", False, "none", "sdpa"),
         "ours triton separate-add": (False, "triton", "liger", False, "none", "sdpa"),
+        "ours triton layer-add": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
         "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
         "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
@@ -186,11 +187,24 @@ def separate_add():
     fused.triton_kernels = kernels       # model.resolve_kernels looks it up at build time
 
 
+def layer_add():
+    """The "layer-add" rows: each layer's last residual add done by torch at the next layer's
+    start, as before it moved into the next layer's first norm, to measure what that buys."""
+    from picotron.model import DecoderLayer
+    forward = DecoderLayer.forward
+
+    def summed_first(self, x, delta, *rest):
+        return forward(self, x if delta is None else x + delta, None, *rest)
+    DecoderLayer.forward = summed_first
+
+
 def maker(label, shape, mbs, seq, ckpt=None):
     """A function that builds the row's step function (in this process, on the GPU).
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
     if label.endswith("separate-add"):
         separate_add()
+    if label.endswith("layer-add"):
+        layer_add()
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5])
