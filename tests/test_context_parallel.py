@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, final_weights, free_port, launch, read_metrics, write_config
+from launch import ROOT, final_weights, free_port, launch_many, read_metrics, write_config
 
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.context_parallel.kernels import (fused_block_backward, fused_block_forward,
@@ -159,8 +159,7 @@ TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
 PALM = ["--model_name", "debug-palm"]      # parallel block, LayerNorm, tied embeddings, MQA
 
 
-def assert_same_run(config, nproc, reference):
-    launch(config, nproc)
+def assert_same_run(config, reference):
     ref_losses = [m["loss"] for m in read_metrics(reference)]
     losses = [m["loss"] for m in read_metrics(config)]
     assert len(losses) == len(ref_losses) == 5
@@ -172,20 +171,37 @@ def assert_same_run(config, nproc, reference):
         torch.testing.assert_close(w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("model,runs", [
-    # (cp, dp, extra flags). Global batch 4 sequences in every run, two micro-batches per step.
-    # Every (cp, dp) in {2, 4} x {1, 2} runs once; each model sees both cp and both dp sizes.
-    ("llama", [(2, 1, ["--mbs", "2", "--set", "model.attn_implementation=eager"]),
-               (4, 2, ["--mbs", "1"]),
-               (2, 1, ["--mbs", "2", "--set", "distributed.cp_mode=ulysses"])]),
-    ("palm", [(4, 1, ["--mbs", "2"]),
-              (2, 2, ["--mbs", "1"])]),
-])
-def test_training_matches_single_process(tmp_path, model, runs):
-    base = TINY + ["--grad_acc_steps", "2"] + (PALM if model == "palm" else [])
-    reference = write_config(tmp_path, "reference", base + ["--mbs", "2"])
-    launch(reference, 1)
-    for i, (cp, dp, extra) in enumerate(runs):
-        config = write_config(tmp_path, f"run{i}_cp{cp}_dp{dp}", base + ["--cp", str(cp), "--dp",
-                                                                         str(dp)] + extra)
-        assert_same_run(config, cp * dp, reference)
+# (cp, dp, extra flags). Global batch 4 sequences in every run, two micro-batches per step.
+# Every (cp, dp) in {2, 4} x {1, 2} runs once; each model sees both cp and both dp sizes.
+RUNS = {"llama": [(2, 1, ["--mbs", "2", "--set", "model.attn_implementation=eager"]),
+                  (4, 2, ["--mbs", "1"]),
+                  (2, 1, ["--mbs", "2", "--set", "distributed.cp_mode=ulysses"])],
+        "palm": [(4, 1, ["--mbs", "2"]),
+                 (2, 2, ["--mbs", "1"])]}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """{model: (reference, [run config paths])}, every training in one launch per world size
+    (tests/launch.py launch_many); the references are the same batch in one process."""
+    root, out, by_world = tmp_path_factory.mktemp("cp"), {}, {}
+    for model, runs in RUNS.items():
+        base = TINY + ["--grad_acc_steps", "2"] + (PALM if model == "palm" else [])
+        reference = write_config(root, f"{model}_reference", base + ["--mbs", "2"])
+        by_world.setdefault(1, []).append(reference)
+        paths = []
+        for i, (cp, dp, extra) in enumerate(runs):
+            paths.append(write_config(root, f"{model}_run{i}_cp{cp}_dp{dp}", base + [
+                "--cp", str(cp), "--dp", str(dp)] + extra))
+            by_world.setdefault(cp * dp, []).append(paths[-1])
+        out[model] = (reference, paths)
+    for world, configs in by_world.items():
+        launch_many(configs, world)
+    return out
+
+
+@pytest.mark.parametrize("model", list(RUNS))
+def test_training_matches_single_process(cp_runs, model):
+    reference, paths = cp_runs[model]
+    for config in paths:
+        assert_same_run(config, reference)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from launch import ROOT, final_weights, launch, launch_script, read_metrics, write_config
+from launch import ROOT, final_weights, launch_many, launch_script, read_metrics, write_config
 import train  # noqa: E402  (importable once launch has put the repository on sys.path)
 from picotron.config import ConfigError, config_from_dict
 
@@ -71,15 +71,27 @@ def test_layers_match_unsharded():
     launch_script(os.path.join(ROOT, "tests", "tp_layers_worker.py"), 2)
 
 
-@pytest.mark.parametrize("tp,sp,tied,arch", CASES,
-                         ids=[f"tp{tp}-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-"
-                              f"{arch}{'-padded_vocab' if 250 % tp else ''}"
-                              for tp, sp, tied, arch in CASES])
-def test_training_matches_tp1(tmp_path, reference, tp, sp, tied, arch):
+IDS = [f"tp{tp}-{'sp' if sp else 'nosp'}-{'tied' if tied else 'untied'}-{arch}"
+       f"{'-padded_vocab' if 250 % tp else ''}" for tp, sp, tied, arch in CASES]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """Every case's config path by id, trained in one launch per tp size (launch_many)."""
+    root, paths, by_tp = tmp_path_factory.mktemp("tp"), {}, {}
+    for case_id, (tp, sp, tied, arch) in zip(IDS, CASES):
+        paths[case_id] = write_config(root, case_id, model_args(tied, arch) + [
+            "--tp", str(tp), "--set", f"distributed.sequence_parallel={str(sp).lower()}"])
+        by_tp.setdefault(tp, []).append(paths[case_id])
+    for tp, configs in by_tp.items():
+        launch_many(configs, tp)
+    return paths
+
+
+@pytest.mark.parametrize("tp,sp,tied,arch", CASES, ids=IDS)
+def test_training_matches_tp1(tp_runs, reference, tp, sp, tied, arch):
     ref_metrics, ref_weights = reference(tied, arch)
-    path = write_config(tmp_path, "run", model_args(tied, arch) + [
-        "--tp", str(tp), "--set", f"distributed.sequence_parallel={str(sp).lower()}"])
-    launch(path, tp)
+    path = tp_runs[IDS[CASES.index((tp, sp, tied, arch))]]
     metrics = read_metrics(path)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for got, want in zip(metrics, ref_metrics):
