@@ -50,12 +50,13 @@ def setup(config_path):
     # A rank blocked longer than timeout_s (e.g. receiving from a stage that died) fails.
     timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
     # An existing group is kept: a caller may run several trainings in one process
-    # (tests/test_4d.py runs every layout in one launch).
-    if not dist.is_initialized() and "RANK" in os.environ:   # torchrun: its variables
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
-    elif not dist.is_initialized():     # plain `python train.py`: a one-process group
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    # (tests/workers/train_many.py runs many layouts in one launch).
+    if not dist.is_initialized():
+        if "RANK" in os.environ:      # launched by torchrun: rendezvous through its variables
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device if backend == "nccl" else None)
+        else:                         # plain `python train.py`: a one-process group in memory
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     d = config.distributed
     pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size, timeout=timeout)
     return config, pgm, device

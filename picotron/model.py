@@ -235,10 +235,8 @@ class Decoder(nn.Module):
             x, delta = checkpointed(layer, self.checkpointing, x, delta, cos, sin, position_ids)
         if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
             return x if delta is None else x + delta    # one tensor to the next stage
-        if self.norm is not None:
+        if self.norm is not None:       # held with the last layer, by the last stage
             x = self.norm(x) if delta is None else self.norm(x, delta)[1]
-        elif delta is not None:
-            x = x + delta
         if self.lm_head is not None and head:
             x = self.lm_head(x)                                            # (B, T, V)
         return x
