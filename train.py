@@ -22,6 +22,7 @@ from picotron.data import DataError, build_train_val, data_state, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.hf_io import load_hf_weights
 from picotron.model import Decoder, materialize
+from picotron.ops.cuda_graphs import capture_layers
 from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
                                         pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
@@ -149,6 +150,8 @@ def main(argv=None):
     # ---- build --------------------------------------------------------------------------
     model = build_model(config, pgm, device)
     grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
+    if t.cuda_graphs:        # captured where the parameters now live (written in place later)
+        capture_layers(model, config, device)
     optimizer = DistributedAdamW(grads, pgm, config)
     loss_fn = loss_function(pgm, config, model)   # vocab-parallel when the logits are sharded
     data, val_data = build_train_val(config, run_dir)

@@ -7,7 +7,8 @@ synthetic tokens (the same windows for every run), it times:
 - ours: train.py's own build_model / GradBuckets / DistributedAdamW / loss_function /
   train_step, as its loop calls them, with the fast options of each row ("ours triton":
   model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
-  both with liger's fused linear cross-entropy and the one-pass Triton AdamW);
+  both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "graphs":
+  training.cuda_graphs on top);
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
@@ -39,6 +40,7 @@ from picotron.config import config_from_dict  # noqa: E402
 from picotron.data import SyntheticData  # noqa: E402
 from picotron.data_parallel import DistributedAdamW, GradBuckets  # noqa: E402
 from picotron.model import materialize  # noqa: E402
+from picotron.ops.cuda_graphs import capture_layers  # noqa: E402
 from picotron.presets import resolve_model  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 from picotron.tensor_parallel import loss_function  # noqa: E402
@@ -53,6 +55,7 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton fp32-master": (True, "triton", "liger", False, "none", "sdpa"),
         "ours triton separate-add": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton layer-add": (False, "triton", "liger", False, "none", "sdpa"),
+        "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
         "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
         "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
@@ -82,15 +85,18 @@ def base_config(shape, mbs, seq):
             "dataset": {"name": "synthetic"}}
 
 
-def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn):
+def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn,
+                graphs=False):
     raw = base_config(shape, mbs, seq)
     raw["model"].update(kernels=kernels, attn_implementation=attn)
     raw["training"].update(master_weights=master, fused_loss=fused_loss, compile=compile_,
-                           activation_checkpointing=ckpt)
+                           activation_checkpointing=ckpt, cuda_graphs=graphs)
     config = config_from_dict(raw, world_size=1)
     pgm, device = ProcessGroupManager(1, 1, 1, 1), torch.device("cuda")
     model = train.build_model(config, pgm, device)
     grads = GradBuckets(model, pgm, config)
+    if graphs:
+        capture_layers(model, config, device)
     optimizer = DistributedAdamW(grads, pgm, config)
     loss_fn = loss_function(pgm, config, model)
     data = SyntheticData(seq, config.model.vocab_size, 42)
@@ -207,7 +213,8 @@ def maker(label, shape, mbs, seq, ckpt=None):
         layer_add()
     if label.startswith("ours"):
         o = OURS[label]
-        return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5])
+        return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
+                                   label.endswith("graphs") and (ckpt or o[4]) == "none")
     return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
 
 

@@ -98,6 +98,7 @@ class TrainingConfig:
     fused_loss: str = "none"
     activation_checkpointing: str = "none"   # none | full | selective (picotron/ops/recompute.py)
     compile: bool = False              # torch.compile each decoder layer
+    cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
 
 
 @dataclass

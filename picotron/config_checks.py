@@ -103,6 +103,8 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if gpu_only and d.use_cpu:
         errors.append(f"{' and '.join(gpu_only)} runs Triton kernels on CUDA GPUs only, "
                       f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
+    if t.cuda_graphs:
+        errors += cuda_graph_problems(d, t)
     if t.dtype not in DTYPES:
         errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
     for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",
@@ -150,3 +152,26 @@ def pipeline_errors(config: Config) -> list:
                       f" into pp_size*pp_virtual_stages = {pp}*{v} equal chunks, which does not "
                       f"divide it; change one of the three")
     return errors
+
+
+def cuda_graph_problems(d, t):
+    """training.cuda_graphs captures the whole layer stack as one graph per direction
+    (picotron/ops/cuda_graphs.py): nothing inside may talk to other ranks or the host."""
+    fix = "; set training.cuda_graphs=false for this layout"
+    inside = [f"distributed.{k}={getattr(d, k)}" for k in ("tp_size", "pp_size", "cp_size")
+              if getattr(d, k) > 1]
+    problems = []
+    if d.use_cpu:
+        problems.append("training.cuda_graphs needs CUDA GPUs, but distributed.use_cpu is true"
+                        + fix)
+    if inside:
+        problems.append(f"training.cuda_graphs cannot capture {' and '.join(inside)}: their "
+                        f"collectives and stage hand-offs run inside the layers" + fix)
+    if t.activation_checkpointing != "none":
+        problems.append(f"training.cuda_graphs needs training.activation_checkpointing='none' "
+                        f"(got '{t.activation_checkpointing}'): the graph already keeps every "
+                        f"activation in its own memory pool")
+    if t.compile:
+        problems.append("training.cuda_graphs and training.compile are two ways to launch the "
+                        "layers; choose one")
+    return problems

@@ -224,6 +224,19 @@ class Decoder(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=x.device).expand(B, T)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, x.dtype)
+        x, delta = self.run_layers(keys, x, cos, sin, position_ids)
+        if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
+            return x if delta is None else x + delta    # one tensor to the next stage
+        if self.norm is not None:       # held with the last layer, by the last stage
+            x = self.norm(x) if delta is None else self.norm(x, delta)[1]
+        if self.lm_head is not None and head:
+            x = self.lm_head(x)                                            # (B, T, V)
+        return x
+
+    def run_layers(self, keys, x, cos, sin, position_ids):
+        """The layers named by `keys`, in order: (B, T, C) -> the residual stream as (x, delta)
+        (delta None after no layer). training.cuda_graphs replaces this method on the
+        instance by one that replays a captured graph (picotron/ops/cuda_graphs.py)."""
         delta = None                        # the residual stream is x + delta (see the layer)
         for key in keys:
             layer = self.layers[key]
@@ -233,13 +246,7 @@ class Decoder(nn.Module):
             if self.checkpointing == "full" and delta is not None:
                 x, delta = x + delta, None      # "full" keeps one (B, T, C) input, not two
             x, delta = checkpointed(layer, self.checkpointing, x, delta, cos, sin, position_ids)
-        if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
-            return x if delta is None else x + delta    # one tensor to the next stage
-        if self.norm is not None:       # held with the last layer, by the last stage
-            x = self.norm(x) if delta is None else self.norm(x, delta)[1]
-        if self.lm_head is not None and head:
-            x = self.lm_head(x)                                            # (B, T, V)
-        return x
+        return x, delta
 
 
 def causal_lm_loss(logits, targets):

@@ -52,6 +52,22 @@ def test_all_problems_reported_at_once():
     assert "tp_size=3" in text and "pp_size=9" in text and "training.seqq" in text
 
 
+def test_cuda_graphs_refuses_what_a_graph_cannot_hold():
+    raw = Config().to_dict()
+    raw["distributed"].update(tp_size=2, cp_size=2, use_cpu=True)
+    raw["training"].update(cuda_graphs=True, activation_checkpointing="full", compile=True)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    text = str(e.value)
+    for words in ("needs CUDA GPUs", "distributed.tp_size=2 and distributed.cp_size=2",
+                  "activation_checkpointing='none'", "choose one"):
+        assert words in text, (words, text)
+    raw = Config().to_dict()
+    raw["distributed"].update(dp_size=2)    # reductions run after the backward graph: fine
+    raw["training"].update(cuda_graphs=True)
+    config_from_dict(raw)
+
+
 def test_world_size_mismatch_names_every_factor():
     raw = Config().to_dict()
     raw["distributed"].update(dp_size=2, tp_size=2, pp_size=2)

@@ -169,3 +169,44 @@ def test_tied_weights_stay_tied_after_materialize():
     materialize(model, seed=0, device="cpu", dtype=torch.float32)
     assert model.lm_head.weight is model.embed_tokens.weight
     assert model.embed_tokens.weight.device.type == "cpu"
+
+
+def test_cuda_graph_routing_runs_the_stack_in_training_only(monkeypatch):
+    """CPU check of training.cuda_graphs' wiring (the capture itself needs a GPU:
+    tests/test_cuda_graphs_gpu.py): with make_graphed_callables standing in as the identity,
+    a training forward of the captured shape goes through the one LayerStack call and gives
+    the eager loss and gradients exactly; eval, no-grad and other shapes run the eager layers."""
+    from picotron.config import Config
+    from picotron.ops import cuda_graphs
+    config = Config()
+    config.model = ModelConfig(**TINY)
+    config.training.micro_batch_size, config.training.seq_length = 2, 11
+    model = materialize(Decoder(config.model, sdpa_attention), 0, "cpu", torch.float32)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    eager = loss_and_grads()
+    calls = []
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables",
+                        lambda stack, args: calls.append(args) or stack)
+    cuda_graphs.capture_layers(model, config, "cpu")
+    stack_calls = []
+    original = cuda_graphs.LayerStack.forward
+    monkeypatch.setattr(cuda_graphs.LayerStack, "forward",
+                        lambda self, *a: stack_calls.append(a[0].shape) or original(self, *a))
+    graphed = loss_and_grads()
+    assert len(calls) == 1 and [tuple(a.shape) for a in calls[0][:1]] == [(2, 11, 36)]
+    assert stack_calls == [(2, 11, 36)]
+    assert torch.equal(graphed[0], eager[0])
+    assert all(torch.equal(g, e) for g, e in zip(graphed[1], eager[1]))
+    model.eval()
+    model(ids[:, :-1])                                  # eval: eager layers
+    model.train()
+    with torch.no_grad():
+        model(ids[:, :-1])                              # no autograd: eager layers
+    model(ids[:, :-2])                                  # another length: eager layers
+    assert stack_calls == [(2, 11, 36)]

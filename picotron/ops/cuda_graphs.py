@@ -1,0 +1,60 @@
+"""training.cuda_graphs: the decoder layers' forward and backward, each captured once as a
+CUDA graph and replayed every micro-batch.
+
+Why: at small widths a step is hundreds of short kernels, and the host's time to launch them
+(Python, autograd, the allocator) leaves the GPU idle between some of them. A replayed graph
+launches the whole layer stack's forward as one call and its backward as another. The kernels
+are the same as eager, so the numbers are too; only the launching changes.
+
+What a graph needs, and how each is met here:
+- the same shapes every call: captured for (micro_batch_size, seq_length / cp_size); any
+  other shape (or eval mode, or no autograd) runs the eager layers instead;
+- the same memory: captured after GradBuckets has moved the parameters into their flat
+  buckets, and everything later (optimizer steps, checkpoint loads) writes them in place;
+- nothing that talks to the host or to other ranks inside: tp, pp and cp are refused by the
+  config checks, and so are activation checkpointing and torch.compile. Data parallelism is
+  fine: its reductions run from gradient hooks, after the backward graph (no overlap).
+Memory: the graph's private pool keeps one step's activations and the layers' bf16 weight
+gradients (its outputs) between steps, instead of handing them back to the allocator.
+"""
+import torch
+import torch.nn as nn
+
+
+class LayerStack(nn.Module):
+    """All of a Decoder's layers as one module (x, cos, sin, position_ids) -> (x, delta): the
+    form torch.cuda.make_graphed_callables captures, its parameters those of the layers."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.layers = nn.ModuleList(decoder.layers.values())
+        self.keys = list(decoder.layers)
+        self.eager = decoder.run_layers        # Decoder.run_layers, bound to the decoder
+
+    def forward(self, x, cos, sin, position_ids):
+        return self.eager(self.keys, x, cos, sin, position_ids)
+
+
+def capture_layers(model, config, device):
+    """Capture `model`'s layers (all of them: pp is 1) for one micro-batch, and route the
+    model's training forwards through the graphs. Call after GradBuckets(model, ...)."""
+    t, m = config.training, config.model
+    B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
+    dtype = next(model.parameters()).dtype
+    stack = LayerStack(model)
+    x = torch.randn(B, T, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    position_ids = torch.arange(T, device=device).expand(B, T).contiguous()
+    from picotron.model import rope_cos_sin
+    cos, sin = rope_cos_sin(position_ids, model.head_dim, m.rope_theta, dtype)
+    # Runs 3 warm-up forwards and backwards (Triton compiles, cuBLAS picks its kernels), then
+    # captures; torch.autograd.grad is used throughout, so no parameter's .grad is touched.
+    graphed = torch.cuda.make_graphed_callables(stack, (x, cos, sin, position_ids))
+    eager, keys = model.run_layers, stack.keys
+
+    def run_layers(run_keys, x, cos, sin, position_ids):
+        if (list(run_keys) == keys and tuple(x.shape) == (B, T, m.hidden_size)
+                and model.training and torch.is_grad_enabled()):
+            return graphed(x, cos, sin, position_ids)
+        return eager(run_keys, x, cos, sin, position_ids)
+    model.run_layers = run_layers
+    return model
