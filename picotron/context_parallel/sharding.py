@@ -32,7 +32,9 @@ def shard_sequence(inputs, targets, cp_rank: int, cp_size: int):
     With cp_size 1 it returns the inputs and targets unchanged and positions 0..T-1, so the
     training loop has one path for every layout."""
     B, T = inputs.shape
-    positions = zigzag_positions(T, cp_rank, cp_size)                       # (T/cp,)
+    # on the inputs' device: validation shards windows already on the GPU, and CPU positions
+    # there would put RoPE's cos/sin on the CPU
+    positions = zigzag_positions(T, cp_rank, cp_size).to(inputs.device)     # (T/cp,)
     return inputs[:, positions], targets[:, positions], positions.expand(B, -1)
 
 
