@@ -1,4 +1,5 @@
-"""training.cuda_graphs trains exactly like the eager layers (one GPU; skipped without CUDA).
+"""training.cuda_graphs trains exactly like the eager layers (skipped without CUDA; the
+data-parallel case needs 2 GPUs).
 
 A replayed graph launches the very kernels the eager step launched, on the same inputs, so the
 two runs should agree to the last bit; the tolerance (1e-6 relative) only leaves room for
@@ -7,7 +8,8 @@ micro-batches (the graph is replayed 12 times, its static inputs overwritten eac
 validation in eval mode every 3 steps (the eager layers run there, and training goes back to
 the graph after), through train.py's own main. Compared: every step's loss and gradient norm,
 the validation losses and the final weights. Our Triton kernels (model.kernels=triton) and the
-readable ones, in fp32 and bf16.
+readable ones, in fp32 and bf16; and dp=2 over NCCL with ZeRO stages 0 and 2, where the
+gradient hooks (bucket all-reduce or reduce-scatter) fire after the backward graph.
 """
 import os
 import sys
@@ -17,23 +19,27 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch import ROOT, final_weights, read_metrics  # noqa: E402
+from launch import ROOT, final_weights, launch, read_metrics  # noqa: E402
 
 sys.path.insert(0, ROOT)
 import create_config  # noqa: E402
 import train  # noqa: E402
 
 
-def train_run(tmp_path, name, kernels, dtype, graphs):
+def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0):
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", name, "--mbs", "4", "--seq_len", "128",
+        "--dp", str(dp), "--zero_stage", str(zero),
         "--grad_acc_steps", "2", "--total_train_steps", "6", "--use_fused_adam",
         "--set", f"model.kernels={kernels}", "--set", f"training.dtype={dtype}",
         "--set", f"training.master_weights={'true' if dtype == 'float32' else 'false'}",
         "--set", f"training.cuda_graphs={'true' if graphs else 'false'}",
         "--set", "training.val_frequency=3", "--set", "dataset.val_samples=8",
         "--set", "checkpoint.save_frequency=6"])
-    train.main(["--config", path])
+    if dp == 1:
+        train.main(["--config", path])
+    else:           # torchrun, NCCL: the reductions run from hooks after the backward graph
+        launch(path, dp)
     return read_metrics(path), final_weights(path)
 
 
@@ -42,16 +48,29 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphed_layers_train_like_eager_layers(tmp_path, kernels, dtype):
+def compare(tmp_path, kernels, dtype, dp=1, zero=0):
     (eager, eager_w), (graphed, graphed_w) = (
-        train_run(tmp_path, f"{kernels}_{dtype}_{g}", kernels, dtype, g) for g in (False, True))
+        train_run(tmp_path, f"{kernels}_{dtype}_{dp}_{zero}_{g}", kernels, dtype, g, dp, zero)
+        for g in (False, True))
     steps = [r for r in eager if "loss" in r]
     assert len(steps) == 6 and len([r for r in eager if "val_loss" in r]) == 2
     diffs = {key: rel([r[key] for r in graphed if key in r], [r[key] for r in eager if key in r])
              for key in ("loss", "grad_norm", "val_loss")}
     diffs["weights"] = max(rel(graphed_w[n].float(), w.float()) for n, w in eager_w.items())
-    print(f"cuda_graphs vs eager, {kernels} {dtype}: relative differences {diffs}")
+    print(f"cuda_graphs vs eager, {kernels} {dtype} dp{dp} zero{zero}: relative differences "
+          f"{diffs}")
     assert all(d <= 1e-6 for d in diffs.values()), diffs
     assert steps[-1]["loss"] < steps[0]["loss"]          # it trained
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphed_layers_train_like_eager_layers(tmp_path, kernels, dtype):
+    compare(tmp_path, kernels, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("zero", [0, 2])
+def test_graphed_layers_under_data_parallel(tmp_path, zero):
+    """dp=2 over NCCL: the same comparison, both runs on 2 GPUs."""
+    compare(tmp_path, "triton", "bfloat16", dp=2, zero=zero)
