@@ -17,8 +17,8 @@ import torch.distributed as dist
 from picotron.attention import resolve_attention
 from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_root
 from picotron.config import ConfigError, MissingPackage, load_config
-from picotron.context_parallel import apply_context_parallel, shard_sequence
-from picotron.data import DataError, build_train_val, data_state, micro_batch
+from picotron.context_parallel import apply_context_parallel
+from picotron.data import DataError, StepBatches, build_train_val, data_state
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.hf_io import load_hf_weights
 from picotron.model import Decoder, materialize
@@ -87,26 +87,24 @@ def build_model(config, pgm, device):
     return model
 
 
-def train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
+def train_step(model, loss_fn, grads, batches, step, config, pgm, device, loss_scale):
     """One optimizer step's forward and backward over all micro-batches; returns the mean loss.
 
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
     those of the mean loss over the global batch. Only the last micro-batch's backward starts
     the gradient reductions (`grads.sync`); `loss_scale` is 1 except with fp16."""
     if pgm.pp_size > 1:     # the schedule runs the micro-batches (same loss scaling)
-        return pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device,
+        return pipeline_train_step(model, loss_fn, grads, batches, step, config, pgm,
                                    loss_scale)
     accum = config.training.gradient_accumulation_steps
     total = torch.zeros((), device=device)
     for micro in range(accum):
-        inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
-        # Context parallel: this rank's zigzag share of the tokens, their targets and true
-        # positions (all of them, positions 0..T-1, when cp_size is 1).
-        inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
+        # This DP rank's samples; under context parallelism its zigzag share of the tokens,
+        # their targets and true positions (all of them, 0..T-1, when cp_size is 1).
+        inputs, targets, position_ids = batches.get(step, micro)
         # (B, T, V) logits; or the final hidden (B, T, C) when the loss applies the head itself
-        out = model(inputs.to(device), position_ids.to(device),
-                    head=not getattr(loss_fn, "applies_head", False))
-        loss = loss_fn(out, targets.to(device)) / accum
+        out = model(inputs, position_ids, head=not getattr(loss_fn, "applies_head", False))
+        loss = loss_fn(out, targets) / accum
         grads.sync = micro == accum - 1
         (loss * loss_scale).backward()
         total += loss.detach()
@@ -155,6 +153,7 @@ def main(argv=None):
     optimizer = DistributedAdamW(grads, pgm, config)
     loss_fn = loss_function(pgm, config, model)   # vocab-parallel when the logits are sharded
     data, val_data = build_train_val(config, run_dir)
+    batches = StepBatches(data, config, pgm, device)   # this rank's micro-batches of a step
     # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
     start_step, tokens_seen = resume(config, run_dir, model, optimizer, pgm, data)
     if is_logger and start_step:
@@ -166,13 +165,15 @@ def main(argv=None):
     for step in range(start_step, t.total_train_steps):
         start = time.perf_counter()
         lr = lr_at(step + 1, t)
-        loss = train_step(model, loss_fn, grads, data, step, config, pgm, device,
+        loss = train_step(model, loss_fn, grads, batches, step, config, pgm, device,
                           optimizer.scaler.scale)
         grads.finish()                                  # wait for the gradient reductions
         dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
         loss /= pgm.cp_dp_size
         grad_norm, skipped = optimizer.step(lr)          # clip, step, share ZeRO shards
         grads.zero_grad()
+        if step + 1 < t.total_train_steps:   # cut and queue the next step's batches now,
+            batches.prefetch(step + 1)       # while the device still runs this step
         loss, grad_norm = loss.item(), grad_norm.item()      # waits for the device
         step_time = time.perf_counter() - start
         tokens_seen += tokens_per_step

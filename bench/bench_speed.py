@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.data import SyntheticData  # noqa: E402
+from picotron.data import StepBatches, SyntheticData  # noqa: E402
 from picotron.data_parallel import DistributedAdamW, GradBuckets  # noqa: E402
 from picotron.model import materialize  # noqa: E402
 from picotron.ops.cuda_graphs import capture_layers  # noqa: E402
@@ -99,13 +99,14 @@ def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, at
         capture_layers(model, config, device)
     optimizer = DistributedAdamW(grads, pgm, config)
     loss_fn = loss_function(pgm, config, model)
-    data = SyntheticData(seq, config.model.vocab_size, 42)
+    batches = StepBatches(SyntheticData(seq, config.model.vocab_size, 42), config, pgm, device)
 
     def step(i):        # the body of train.py's loop
-        loss = train.train_step(model, loss_fn, grads, data, i, config, pgm, device, 1.0)
+        loss = train.train_step(model, loss_fn, grads, batches, i, config, pgm, device, 1.0)
         grads.finish()
         optimizer.step(3e-4)
         grads.zero_grad()
+        batches.prefetch(i + 1)
         return loss.item()
     return step, config.model
 

@@ -12,8 +12,8 @@ import torch
 from launch import ROOT, free_port, write_config
 from tiny import documents, tiny_tokenizer, write_formats
 from picotron.config import Config
-from picotron.data import (DataError, build_data, build_train_val, check_data_state,
-                           data_state, micro_batch)
+from picotron.data import (DataError, StepBatches, SyntheticData, build_data, build_train_val,
+                           check_data_state, data_state, micro_batch)
 
 SEQ = 32
 
@@ -156,3 +156,27 @@ def test_dp2_on_gloo_splits_each_epoch_exactly_and_tokenizes_once(tmp_path):
         assert sorted(both) == sorted(step_windows(ref_data, ref, s)), s
         assert not {tuple(w) for w in ranks[0]["steps"][s]} & {tuple(w) for w in
                                                                ranks[1]["steps"][s]}
+
+
+def test_step_batches_are_the_layouts_share_prefetched_or_not():
+    """StepBatches.get gives the DP rank's samples and the CP rank's zigzag tokens and
+    positions of the full micro-batch; a prefetched step gives the very same tensors."""
+    config = config_for("synthetic", micro_batch_size=2, gradient_accumulation_steps=2)
+    config.distributed.dp_size, config.distributed.cp_size = 2, 2
+    data = SyntheticData(SEQ, 50, 7)
+    pgm = collections.namedtuple("Grid", "dp_rank cp_rank cp_size")
+    for dp_rank in range(2):
+        full, full_targets = micro_batch(data, 3, 1, config, dp_rank)      # (2, SEQ)
+        for cp_rank in range(2):
+            batches = StepBatches(data, config, pgm(dp_rank, cp_rank, 2), torch.device("cpu"))
+            inputs, targets, positions = batches.get(3, 1)
+            assert inputs.shape == targets.shape == positions.shape == (2, SEQ // 2)
+            assert torch.equal(inputs, full.gather(1, positions))           # tokens at positions
+            assert torch.equal(targets, full_targets.gather(1, positions))
+            half = SEQ // 4          # zigzag: chunks cp_rank and 3 - cp_rank of 4
+            assert positions[0].tolist() == list(range(cp_rank * half, (cp_rank + 1) * half)) \
+                + list(range((3 - cp_rank) * half, (4 - cp_rank) * half))
+            batches.prefetch(3)
+            assert all(torch.equal(a, b) for a, b in zip(batches.get(3, 1), (inputs, targets,
+                                                                                  positions)))
+            assert batches.get(4, 0)[0].shape == (2, SEQ // 2)        # not prefetched: built

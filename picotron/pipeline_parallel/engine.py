@@ -31,8 +31,6 @@ import functools
 
 import torch
 
-from picotron.context_parallel import shard_sequence
-from picotron.data import micro_batch
 from picotron.pipeline_parallel.p2p import check_spec, exchange, message_spec
 from picotron.pipeline_parallel.schedules import rank_steps, schedule_orders, timeline
 from picotron.pipeline_parallel.stage import rank_chunks, virtual_stages
@@ -144,18 +142,14 @@ def pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm):
     return loss
 
 
-def pipeline_train_step(model, loss_fn, grads, data, step, config, pgm, device, loss_scale):
-    """train.py's train_step for pp > 1: all micro-batches of `step` through the schedule
+def pipeline_train_step(model, loss_fn, grads, batches, step, config, pgm, loss_scale):
+    """train.py's train_step for pp > 1: all micro-batches of `step` (picotron/data.py
+    StepBatches: this rank's samples and cp share, on the device) through the schedule
     `distributed.pp_engine`. Returns the mean loss over the micro-batches on the last stage,
     0 elsewhere."""
     engine, accum = config.distributed.pp_engine, config.training.gradient_accumulation_steps
     steps = steps_for(engine, pgm.pp_size, accum, virtual_stages(config), pgm.pp_rank)
-
-    def get_batch(micro):      # as train.py's one-process loop: this cp rank's zigzag share
-        inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
-        inputs, targets, position_ids = shard_sequence(inputs, targets, pgm.cp_rank, pgm.cp_size)
-        return inputs.to(device), targets.to(device), position_ids.to(device)
-
-    loss, _ = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), get_batch, loss_fn,
-                        config, pgm, loss_scale, grads)
+    loss, _ = run_steps(model, steps, rank_chunks(config, pgm.pp_rank),
+                        lambda micro: batches.get(step, micro), loss_fn, config, pgm,
+                        loss_scale, grads)
     return loss
