@@ -193,8 +193,8 @@ class StepBatches:
     `prefetch(step)` builds a step's micro-batches ahead of time. train.py calls it for the
     next step before it waits for this step's loss: the windows are cut and the copies to
     the GPU queued while the GPU still runs this step's backward and optimizer, instead of
-    the GPU idling through that host work at the start of every step (~2% of a step at
-    SmolLM-360M's size, measured; bench/NOTES.md). The values are the same either way."""
+    the GPU idling through that host work at the start of every step (up to ~2% of a step
+    at SmolLM-360M's size on an H200: bench/NOTES.md). The values are the same either way."""
 
     def __init__(self, data, config, pgm, device):
         self.data, self.config, self.pgm, self.device = data, config, pgm, device

@@ -63,6 +63,39 @@ def test_weights_that_do_not_fit_are_refused_before_any_change(tmp_path):
         load_hf_weights(model, str(tmp_path / "empty"))
 
 
+def test_hub_id_downloads_the_weights_or_names_the_fix(tmp_path, monkeypatch):
+    """A hub id (not a local directory) goes through huggingface_hub.snapshot_download: asked
+    for the safetensors and json files only, then loaded from the snapshot it returns. With
+    the hub unreachable (offline mode, empty cache: the real library raises) the error names
+    the id and the fixes, before the model is touched."""
+    import huggingface_hub
+    hf = tiny_llama(str(tmp_path / "snapshot"))
+    model = our_model(ModelConfig(**resolve_model(str(tmp_path / "snapshot"))))
+    asked = []
+    real_download = huggingface_hub.snapshot_download
+
+    def fake_download(repo_id, **kwargs):
+        asked.append((repo_id, kwargs))
+        return str(tmp_path / "snapshot")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    load_hf_weights(model, "someone/tiny-llama")
+    assert asked == [("someone/tiny-llama", {"allow_patterns": ["*.safetensors", "*.json"]})]
+    x = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", real_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError) as e:
+        load_hf_weights(model, "someone/not-cached")
+    assert "checkpoint.init_from='someone/not-cached'" in str(e.value)
+    assert "pass a local directory" in str(e.value)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
 def test_train_from_hf_weights_export_and_generate(tmp_path):
     """--model_name a local transformers directory: the first step's loss is the Hugging Face
     model's loss on the first batch; the trained checkpoint exports back to transformers."""

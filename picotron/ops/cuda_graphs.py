@@ -1,10 +1,13 @@
 """training.cuda_graphs: the decoder layers' forward and backward, each captured once as a
 CUDA graph and replayed every micro-batch.
 
-Why: at small widths a step is hundreds of short kernels, and the host's time to launch them
-(Python, autograd, the allocator) leaves the GPU idle between some of them. A replayed graph
-launches the whole layer stack's forward as one call and its backward as another. The kernels
-are the same as eager, so the numbers are too; only the launching changes.
+Why: a step is hundreds of kernels, and the host's time to launch them (Python, autograd, the
+allocator) can leave the GPU idle between them. A replayed graph launches the whole layer
+stack's forward as one call and its backward as another. The kernels are the same as eager,
+so the numbers are too (tests/test_cuda_graphs_gpu.py: bit for bit). Measured on an H200
+(bench/NOTES.md, session 5): no faster at SmolLM-360M or 1.7B, where the GPU already runs
+ahead of the host inside the layers, but 2-4% less peak memory (the graph's pool holds one
+step's activations without the allocator's fragmentation).
 
 What a graph needs, and how each is met here:
 - the same shapes every call: captured for (micro_batch_size, seq_length / cp_size); any
@@ -19,6 +22,8 @@ gradients (its outputs) between steps, instead of handing them back to the alloc
 """
 import torch
 import torch.nn as nn
+
+from picotron.model import rope_cos_sin
 
 
 class LayerStack(nn.Module):
@@ -44,7 +49,6 @@ def capture_layers(model, config, device):
     stack = LayerStack(model)
     x = torch.randn(B, T, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
     position_ids = torch.arange(T, device=device).expand(B, T).contiguous()
-    from picotron.model import rope_cos_sin
     cos, sin = rope_cos_sin(position_ids, model.head_dim, m.rope_theta, dtype)
     # Runs 3 warm-up forwards and backwards (Triton compiles, cuBLAS picks its kernels), then
     # captures; torch.autograd.grad is used throughout, so no parameter's .grad is touched.
