@@ -55,6 +55,7 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton fp32-master": (True, "triton", "liger", False, "none", "sdpa"),
         "ours triton separate-add": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton layer-add": (False, "triton", "liger", False, "none", "sdpa"),
+        "ours triton no-prefetch": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
         "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
@@ -212,6 +213,8 @@ def maker(label, shape, mbs, seq, ckpt=None):
         separate_add()
     if label.endswith("layer-add"):
         layer_add()
+    if label.endswith("no-prefetch"):     # each step's batches cut at its start, as before
+        StepBatches.prefetch = lambda self, step: None
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
