@@ -160,7 +160,7 @@ def test_dp2_on_gloo_splits_each_epoch_exactly_and_tokenizes_once(tmp_path):
 
 def test_step_batches_are_the_layouts_share_prefetched_or_not():
     """StepBatches.get gives the DP rank's samples and the CP rank's zigzag tokens and
-    positions of the full micro-batch; a prefetched step gives the very same tensors."""
+    positions of the full micro-batch; a prefetched step gives the same values."""
     config = config_for("synthetic", micro_batch_size=2, gradient_accumulation_steps=2)
     config.distributed.dp_size, config.distributed.cp_size = 2, 2
     data = SyntheticData(SEQ, 50, 7)
