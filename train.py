@@ -27,8 +27,8 @@ from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
                                         pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
 from picotron.tensor_parallel import apply_tensor_parallel, loss_function
-from picotron.utils import (MetricsLog, count_params, flops_per_token, format_step, lr_at,
-                            peak_flops, set_seed)
+from picotron.utils import (MetricsLog, StepValues, count_params, flops_per_token, format_step,
+                            lr_at, peak_flops, set_seed)
 from picotron.validation import validation_loss
 
 
@@ -162,8 +162,31 @@ def main(argv=None):
                          keep_until_step=start_step)
 
     # ---- train --------------------------------------------------------------------------
+    # Each step's loss and grad norm are read once the next step is queued (StepValues): the
+    # GPU never waits for the host to log. Validation and checkpoints read them first.
+    pending, clock = None, time.perf_counter()
+
+    def log(done: StepValues):
+        nonlocal tokens_seen, clock
+        r = done.read()                                  # waits for that step only
+        now = time.perf_counter()
+        step_time, clock = now - clock, now
+        tokens_seen += tokens_per_step
+        per_gpu = tokens_per_step / step_time / config.world_size
+        record = {"step": r["step"], "loss": r["loss"], "lr": r["lr"],
+                  "grad_norm": r["grad_norm"], "tokens": tokens_seen,
+                  "tokens_per_s": tokens_per_step / step_time, "tokens_per_s_per_gpu": per_gpu,
+                  "tflops_per_gpu": per_gpu * flops_tok / 1e12,
+                  "mfu": per_gpu * flops_tok / peak if peak else None,
+                  "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time,
+                  "skipped": bool(r["skipped"])}    # a non-finite gradient norm: no update
+        if t.dtype == "float16":
+            record["loss_scale"] = r["loss_scale"]
+        metrics.write(record)
+        if is_logger and r["step"] % config.logging.log_frequency == 0:
+            print(format_step(record), flush=True)
+
     for step in range(start_step, t.total_train_steps):
-        start = time.perf_counter()
         lr = lr_at(step + 1, t)
         loss = train_step(model, loss_fn, grads, batches, step, config, pgm, device,
                           optimizer.scaler.scale)
@@ -174,32 +197,28 @@ def main(argv=None):
         grads.zero_grad()
         if step + 1 < t.total_train_steps:   # cut and queue the next step's batches now,
             batches.prefetch(step + 1)       # while the device still runs this step
-        loss, grad_norm = loss.item(), grad_norm.item()      # waits for the device
-        step_time = time.perf_counter() - start
-        tokens_seen += tokens_per_step
-        tokens_per_s = tokens_per_step / step_time
-        per_gpu = tokens_per_s / config.world_size
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": tokens_seen, "tokens_per_s": tokens_per_s,
-                  "tokens_per_s_per_gpu": per_gpu, "tflops_per_gpu": per_gpu * flops_tok / 1e12,
-                  "mfu": per_gpu * flops_tok / peak if peak else None,
-                  "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time,
-                  "skipped": bool(skipped)}      # a non-finite gradient norm: no update
-        if t.dtype == "float16":
-            record["loss_scale"] = optimizer.scaler.scale
-        metrics.write(record)
-        if is_logger and (step + 1) % config.logging.log_frequency == 0:
-            print(format_step(record), flush=True)
-        if t.val_frequency and (step + 1) % t.val_frequency == 0:
+        done = StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
+                           "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
+        if pending is not None:
+            log(pending)                     # the step before this one, now finished
+        pending = done
+        every = config.checkpoint.save_frequency
+        validate = t.val_frequency and (step + 1) % t.val_frequency == 0
+        save = every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps)
+        if not (validate or save or step + 1 == t.total_train_steps):
+            continue
+        log(pending)
+        pending = None
+        if validate:
             val = validation_loss(model, loss_fn, val_data, config, pgm, device)
             metrics.write({"step": step + 1, "val_loss": val})
             if is_logger:
                 print(f"step {step + 1:>5} | val loss {val:.4f}", flush=True)
-        every = config.checkpoint.save_frequency
-        if every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps):
+        if save:
             save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
                             {"tokens_seen": tokens_seen, "data": data_state(config, step + 1,
                                                                             data)})
+        clock = time.perf_counter()          # the next step's time leaves these out
     if owns_group:
         dist.destroy_process_group()
 

@@ -7,8 +7,10 @@ synthetic tokens (the same windows for every run), it times:
 - ours: train.py's own build_model / GradBuckets / DistributedAdamW / loss_function /
   train_step, as its loop calls them, with the fast options of each row ("ours triton":
   model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
-  both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "graphs":
-  training.cuda_graphs on top);
+  both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "our-loss":
+  training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
+  training.cuda_graphs on top). As train.py, a step's loss is read once the next step is
+  queued (picotron.utils.StepValues); the "item" row reads it at once, as the HF loops do);
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
@@ -44,7 +46,7 @@ from picotron.ops.cuda_graphs import capture_layers  # noqa: E402
 from picotron.presets import resolve_model  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 from picotron.tensor_parallel import loss_function  # noqa: E402
-from picotron.utils import count_params, flops_per_token  # noqa: E402
+from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
 
 PEAK = 989.5e12
 # label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
@@ -53,8 +55,9 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
         "ours triton": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton fp32-master": (True, "triton", "liger", False, "none", "sdpa"),
-        "ours triton separate-add": (False, "triton", "liger", False, "none", "sdpa"),
-        "ours triton layer-add": (False, "triton", "liger", False, "none", "sdpa"),
+        "ours triton our-loss": (False, "triton", "triton", False, "none", "sdpa"),
+        "ours triton our-loss item": (False, "triton", "triton", False, "none", "sdpa"),
+        "ours triton our-loss fp32-master": (True, "triton", "triton", False, "none", "sdpa"),
         "ours triton no-prefetch": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
@@ -87,7 +90,7 @@ def base_config(shape, mbs, seq):
 
 
 def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn,
-                graphs=False):
+                graphs=False, read_now=False):
     raw = base_config(shape, mbs, seq)
     raw["model"].update(kernels=kernels, attn_implementation=attn)
     raw["training"].update(master_weights=master, fused_loss=fused_loss, compile=compile_,
@@ -102,13 +105,18 @@ def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, at
     loss_fn = loss_function(pgm, config, model)
     batches = StepBatches(SyntheticData(seq, config.model.vocab_size, 42), config, pgm, device)
 
-    def step(i):        # the body of train.py's loop
+    pending = []
+
+    def step(i):        # the body of train.py's loop: queue step i, then read step i - 1
         loss = train.train_step(model, loss_fn, grads, batches, i, config, pgm, device, 1.0)
         grads.finish()
         optimizer.step(3e-4)
         grads.zero_grad()
         batches.prefetch(i + 1)
-        return loss.item()
+        if read_now:                    # the "item" rows: wait for this step's loss
+            return loss.item()
+        pending.append(StepValues({"loss": loss}, device))
+        return pending.pop(0).read()["loss"] if len(pending) == 2 else float("nan")
     return step, config.model
 
 
@@ -181,44 +189,16 @@ def run_one(args, label, shape, mbs):
     return tuple(r) if isinstance(r, list) else r
 
 
-def separate_add():
-    """The "separate-add" rows: our Triton path with the residual add before each layer's
-    second norm left to torch (model.with_residual), to measure what folding it in buys."""
-    from picotron.model import with_residual
-    from picotron.ops import fused
-    fused_kernels = fused.triton_kernels
-
-    def kernels():
-        ns = fused_kernels()
-        ns.add_rms_norm, ns.add_layer_norm = map(with_residual, (ns.rms_norm, ns.layer_norm))
-        return ns
-    fused.triton_kernels = kernels       # model.resolve_kernels looks it up at build time
-
-
-def layer_add():
-    """The "layer-add" rows: each layer's last residual add done by torch at the next layer's
-    start, as before it moved into the next layer's first norm, to measure what that buys."""
-    from picotron.model import DecoderLayer
-    forward = DecoderLayer.forward
-
-    def summed_first(self, x, delta, *rest):
-        return forward(self, x if delta is None else x + delta, None, *rest)
-    DecoderLayer.forward = summed_first
-
-
 def maker(label, shape, mbs, seq, ckpt=None):
     """A function that builds the row's step function (in this process, on the GPU).
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
-    if label.endswith("separate-add"):
-        separate_add()
-    if label.endswith("layer-add"):
-        layer_add()
     if label.endswith("no-prefetch"):     # each step's batches cut at its start, as before
         StepBatches.prefetch = lambda self, step: None
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
-                                   label.endswith("graphs") and (ckpt or o[4]) == "none")
+                                   label.endswith("graphs") and (ckpt or o[4]) == "none",
+                                   label.endswith(" item"))
     return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
 
 

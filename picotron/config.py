@@ -94,7 +94,8 @@ class TrainingConfig:
     use_fused_adam: bool = True        # one-pass Triton AdamW on CUDA (ignored on CPU)
     val_frequency: int = 0             # steps between val_loss evaluations; 0: never
     # none: logits, then cross-entropy (reference) | chunked: head + loss a chunk of tokens
-    # at a time, plain PyTorch | liger: the same with liger-kernel (picotron/ops/loss.py)
+    # at a time, plain PyTorch | liger: the same with liger-kernel | triton: the same with our
+    # Triton kernel, no host sync (picotron/ops/loss.py, triton_loss.py)
     fused_loss: str = "none"
     activation_checkpointing: str = "none"   # none | full | selective (picotron/ops/recompute.py)
     compile: bool = False              # torch.compile each decoder layer
@@ -171,7 +172,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
 KERNELS = ("torch", "liger", "triton")
-FUSED_LOSSES = ("none", "chunked", "liger")
+FUSED_LOSSES = ("none", "chunked", "liger", "triton")
 CHECKPOINTING = ("none", "full", "selective")
 
 

@@ -102,3 +102,31 @@ def format_step(r: dict) -> str:
             + (f" | loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
             + (" | non-finite gradient: step skipped" if r.get("skipped") else ""))
 
+
+
+class StepValues:
+    """A step's scalars (loss, grad norm, ...), copied to the host without waiting for them.
+
+    `loss.item()` right after queueing a step makes the host wait until the GPU has finished
+    it; the GPU then idles while the host queues the next step's first kernels. Instead the
+    values are stacked on the device, copied into pinned host memory behind the step's work
+    (non-blocking), and `read()` later, once the next step is queued: it waits for this step
+    only. Plain Python numbers pass through as they are."""
+
+    def __init__(self, values: dict, device):
+        self.names = [k for k, v in values.items() if torch.is_tensor(v)]
+        self.known = {k: v for k, v in values.items() if not torch.is_tensor(v)}
+        stacked = torch.stack([values[k].detach().float().reshape(()) for k in self.names])
+        self.ready = None
+        if device.type == "cuda":
+            self.host = torch.empty(len(self.names), pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = stacked
+
+    def read(self) -> dict:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return {**self.known, **dict(zip(self.names, self.host.tolist()))}

@@ -25,6 +25,7 @@ from picotron.attention import sdpa_attention
 from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, materialize,
                             resolve_kernels, rope_cos_sin)
 from picotron.ops.loss import LinearCrossEntropy, chunked_linear_cross_entropy
+from picotron.ops.triton_loss import triton_linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = 1e-2
@@ -109,7 +110,7 @@ def test_swiglu_in(fast):
                                           0.03 * randn(2560, 960)], [randn(4, 512, 2560)])
 
 
-@pytest.mark.parametrize("impl", ["chunked", "liger"])
+@pytest.mark.parametrize("impl", ["chunked", "liger", "triton"])
 def test_fused_loss(impl):
     """hidden (N, C) and head (V, C) in bf16 against the full-logits fp32 loss."""
     if impl == "liger":
@@ -121,6 +122,8 @@ def test_fused_loss(impl):
     def fused(h, w):
         if impl == "chunked":
             return chunked_linear_cross_entropy(h, w, t)
+        if impl == "triton":
+            return triton_linear_cross_entropy(h, w, t, 1024)
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
         return liger_fused_linear_cross_entropy(h, w, t, accum_dtype=torch.float32)
 
@@ -129,11 +132,12 @@ def test_fused_loss(impl):
     check(fused, ref, [h, w], [torch.ones((), device="cuda")])
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-@pytest.mark.parametrize("kernels", ["liger", "triton"])
-def test_model_with_fast_kernels_matches_torch(kernels, checkpointing):
+@pytest.mark.parametrize("kernels,checkpointing,fused_loss", [
+    ("liger", "none", "liger"), ("liger", "full", "liger"), ("triton", "none", "liger"),
+    ("triton", "full", "liger"), ("triton", "none", "triton"), ("triton", "full", "triton")])
+def test_model_with_fast_kernels_matches_torch(kernels, checkpointing, fused_loss):
     """A 4-layer model at 360M's widths, bf16, the same weights: logits and every gradient of
-    the fast kernels + liger fused-loss path against the reference path."""
+    the fast kernels + fused-loss path (liger's or ours) against the reference path."""
     pytest.importorskip("liger_kernel")
     cfg = dict(vocab_size=4096, hidden_size=960, intermediate_size=2560, num_hidden_layers=4,
                num_attention_heads=15, num_key_value_heads=5)
@@ -147,7 +151,7 @@ def test_model_with_fast_kernels_matches_torch(kernels, checkpointing):
         if name == "ref":
             loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
         else:
-            loss = LinearCrossEntropy(model, "liger")(model(ids[:, :-1], head=False), ids[:, 1:])
+            loss = LinearCrossEntropy(model, fused_loss)(model(ids[:, :-1], head=False), ids[:, 1:])
         loss.backward()
         out[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     assert abs(out["fast"][0] - out["ref"][0]) < 1e-2 * out["ref"][0]

@@ -12,6 +12,8 @@ several passes of memory traffic over them. Here (N legend: B*T tokens, C hidden
   head weight (V, C, accumulated in fp32).
 - "liger": the same scheme with liger-kernel's Triton cross-entropy kernel (fewer passes over
   each chunk); CUDA only.
+- "triton": the same scheme with our Triton kernel (picotron/ops/triton_loss.py), which never
+  makes the host wait for the GPU (liger's reads the token count with .item()); CUDA only.
 Same arithmetic as the reference: bf16 matmul, fp32 softmax; tests/test_speed.py checks loss
 and gradients against it.
 """
@@ -87,6 +89,9 @@ class LinearCrossEntropy:
                                      "machine (`pip install liger-kernel==0.8.5`)",
                                      "or use 'chunked'", e) from None
             self.liger = liger_fused_linear_cross_entropy
+        if impl == "triton":
+            from picotron.ops.triton_loss import triton_linear_cross_entropy
+            self.triton = triton_linear_cross_entropy
 
     def __call__(self, hidden, targets):
         weight = self.model.lm_head.weight                  # read now: it may be re-tied
@@ -94,4 +99,7 @@ class LinearCrossEntropy:
         if self.impl == "liger":   # fp32 accumulation of the head's gradient, as "chunked"
             return self.liger(hidden, weight, targets, ignore_index=IGNORE_INDEX,
                               accum_dtype=torch.float32)
+        if self.impl == "triton":
+            rows = default_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+            return self.triton(hidden, weight, targets, rows)
         return chunked_linear_cross_entropy(hidden, weight, targets)
