@@ -58,6 +58,7 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton our-loss": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss item": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss fp32-master": (True, "triton", "triton", False, "none", "sdpa"),
+        "ours triton our-loss fp32-grads": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton no-prefetch": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
@@ -194,6 +195,9 @@ def maker(label, shape, mbs, seq, ckpt=None):
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
     if label.endswith("no-prefetch"):     # each step's batches cut at its start, as before
         StepBatches.prefetch = lambda self, step: None
+    if label.endswith("fp32-grads"):      # fp32 gradient buffers even when nothing is summed
+        from picotron.data_parallel import buckets
+        buckets.gradient_dtype = lambda params, summed: torch.float32
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],

@@ -41,13 +41,13 @@ def reference(weights, grads_per_step, dtype, lr, wd, mul):
     return [p.detach() for p in params], [opt.state[p]["exp_avg"] for p in params]
 
 
-def ours(weights, grads_per_step, wdtype, master, lr, wd, mul, skip=0.0):
+def ours(weights, grads_per_step, wdtype, master, lr, wd, mul, skip=0.0, gdtype=torch.float32):
     shards = [w.detach().to(wdtype).clone() for w in weights]
     masters = [s.float().clone() if master else s for s in shards]
     opt = torch.optim.AdamW(masters, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
     scalars = torch.tensor([mul, skip], device=DEVICE)
     for grads in grads_per_step:
-        adamw_step(opt, dict(zip(masters, [g.float() for g in grads])),
+        adamw_step(opt, dict(zip(masters, [g.to(gdtype) for g in grads])),
                    {m: s for m, s in zip(masters, shards) if m is not s}, scalars)
     return shards, masters, [opt.state[m]["exp_avg"] for m in masters]
 
@@ -92,6 +92,17 @@ def test_bf16_as_close_to_fp64_as_torch(problem, master):
         # and the weights moved: a kernel that wrote nothing would sit at the start
         start = weights[SIZES.index(g.numel())].bfloat16()
         assert rel(g, start) > 0.1 * rel(exact[SIZES.index(g.numel())], start.double())
+
+
+def test_bf16_gradients_read_as_their_fp32_values(problem):
+    """Gradient buffers keep the parameter dtype when nothing is summed into them
+    (data_parallel/buckets.py): the kernel must step exactly as on fp32 copies of them."""
+    weights, steps = problem
+    rounded = [[g.bfloat16().float() for g in grads] for grads in steps]
+    want = ours(weights, rounded, torch.bfloat16, False, 3e-3, 0.1, 0.5)
+    got = ours(weights, steps, torch.bfloat16, False, 3e-3, 0.1, 0.5, gdtype=torch.bfloat16)
+    for a, b in zip(got[0] + got[2], want[0] + want[2]):
+        assert torch.equal(a, b)
 
 
 def test_skip_flag_writes_nothing(problem):

@@ -1,13 +1,18 @@
-"""Gradient buckets: flat fp32 gradient buffers whose reduction starts during backward.
+"""Gradient buckets: flat gradient buffers whose reduction starts during backward.
 
 Parameters are grouped into buckets of about `bucket_size_mb` (in reverse order of
 definition, which is roughly the order backward produces their gradients: head first,
 embedding last). Each bucket owns two flat buffers, and every parameter is a view into them:
 
     bucket.params  (numel,) in the parameter dtype    p.data      = params[offset : offset + n]
-    bucket.grads   (numel,) fp32                      p.main_grad = grads[offset : offset + n]
+    bucket.grads   (numel,) fp32 (see below)          p.main_grad = grads[offset : offset + n]
 
 (the gradient buffer exists from a step's first gradient until zero_grad() after the step).
+The buffer is fp32 whenever anything is ever added into it: micro-batches, the average over
+cp_dp ranks, partial sums over TP or PP (`grad_sum_group`). Otherwise (one micro-batch, one
+cp_dp rank) it receives each gradient exactly once, in the parameter dtype, and an fp32 copy
+would hold no more information: it then keeps the parameter dtype (half the bytes to copy,
+hold and read in bf16); the optimizer computes in fp32 either way.
 
 A hook after each parameter's gradient is accumulated adds it into `main_grad` (fp32, so bf16
 and fp16 models accumulate micro-batches exactly; the step's first gradient is copied, which
@@ -36,13 +41,14 @@ from picotron.comm import all_gather_single, reduce_scatter_single
 
 
 class Bucket:
-    def __init__(self, params, dtype, device, shards: int):
+    def __init__(self, params, dtype, device, shards: int, grad_dtype):
         self.members = params
         numel = sum(p.numel() for p in params)
         self.numel = -(-numel // shards) * shards           # padded to a multiple of shards
         self.shard_numel = self.numel // shards
         self.params = torch.zeros(self.numel, dtype=dtype, device=device)
         self.grads = None                                    # allocated lazily, see grad_buffer
+        self.grad_dtype = grad_dtype
         self.grad_shard = None                               # zero_stage 2: the owned sum
         self.ready, self.work, self.launched = 0, None, False
         p0 = params[0]
@@ -59,11 +65,12 @@ class Bucket:
             offset += p.numel()
 
     def grad_buffer(self):
-        """The fp32 gradient buffer, (re)attached to every member as `main_grad`. Allocated
+        """The gradient buffer, (re)attached to every member as `main_grad`. Allocated
         uninitialised: each member's first gradient of the step is copied in, and a member
         with none is zeroed by GradBuckets.finish; only the padding is zeroed here."""
         if self.grads is None:
-            self.grads = torch.empty(self.numel, dtype=torch.float32, device=self.params.device)
+            self.grads = torch.empty(self.numel, dtype=self.grad_dtype,
+                                     device=self.params.device)
             self.grads[self.offsets[-1] + self.members[-1].numel():].zero_()
             for p, offset in zip(self.members, self.offsets):
                 p.main_grad = self.grads[offset:offset + p.numel()].view_as(p)
@@ -73,6 +80,12 @@ class Bucket:
 def bucket_key(p):
     return (p.dim() >= 2, hasattr(p, "local_slice"), getattr(p, "grad_norm_skip", False),
             getattr(p, "grad_sum_group", None))
+
+
+def gradient_dtype(params, summed: bool):
+    """fp32 when anything is added into the buffer (micro-batches or ranks: `summed`; partial
+    sums: a grad_sum_group); otherwise the parameters' own dtype, which loses nothing."""
+    return torch.float32 if summed or bucket_key(params[0])[3] is not None else params[0].dtype
 
 
 class GradBuckets:
@@ -92,8 +105,9 @@ class GradBuckets:
             if sum(q.numel() for q in current[key]) >= limit:
                 groups.append(current.pop(key))
         groups += list(current.values())
-        self.buckets = [Bucket(g, params[0].dtype, params[0].device, self.shards)
-                        for g in groups]
+        summed = config.training.gradient_accumulation_steps > 1 or self.size > 1
+        self.buckets = [Bucket(g, params[0].dtype, params[0].device, self.shards,
+                               gradient_dtype(g, summed)) for g in groups]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.members}
         # per step: fresh (params whose main_grad is not yet written), launch_log (bucket
         # index, gradients ready so far: overlap evidence), _ready_total, _sync
@@ -173,7 +187,7 @@ class GradBuckets:
             return
         grads.div_(self.size)
         if self.zero_stage == 2:
-            bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=torch.float32,
+            bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=grads.dtype,
                                             device=grads.device)
             bucket.work = reduce_scatter_single(bucket.grad_shard, grads,
                                                      group=self.group, async_op=True)
@@ -201,7 +215,7 @@ class GradBuckets:
                     p.main_grad = None
 
     def grad_shard(self, bucket):
-        """This rank's share (fp32) of the bucket's averaged gradient."""
+        """This rank's share of the bucket's averaged gradient."""
         if self.zero_stage == 2 and self.size > 1:
             return bucket.grad_shard
         start = self.shard_index * bucket.shard_numel

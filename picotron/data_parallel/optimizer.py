@@ -87,10 +87,11 @@ class DistributedAdamW:
             shards = [self.grads.grad_shard(b) for b in self.grads.buckets
                       if not b.norm_skip and b.tp_sharded == tp_sharded]
             if shards and device.type == "cuda":    # blocked fp32 sums, no squared copy
-                sq[i] = torch.stack(torch._foreach_norm(shards)).square().sum()
+                sq[i] = torch.stack(torch._foreach_norm(shards, dtype=torch.float32)
+                                    ).square().sum()
             elif shards:     # CPU: torch.sum's pairwise sum; the CPU norms accumulate one by
                 # one and lose 1e-5 relative over 3M elements, which the parity tests see
-                sq[i] = sum(g.pow(2).sum() for g in shards)
+                sq[i] = sum(g.float().pow(2).sum() for g in shards)
         pgm = self.pgm
         if self.grads.shards > 1:
             dist.all_reduce(sq, group=pgm.cp_dp_group)
@@ -133,6 +134,7 @@ class DistributedAdamW:
                 if master is not shard:
                     writes[master] = shard
             else:
+                g = g.float() if g.dtype != torch.float32 else g   # scaled in fp32
                 master.grad = g.mul_(scalars[0]).to(device=master.device, dtype=master.dtype)
         for opt in self.optimizers:
             for group in opt.param_groups:
