@@ -24,7 +24,7 @@ from picotron.tensor_parallel import loss_function  # noqa: E402
 from picotron.utils import StepValues  # noqa: E402
 
 
-@pytest.mark.parametrize("fused_loss", ["triton", "none"])
+@pytest.mark.parametrize("fused_loss", ["triton", "chunked", "none"])
 def test_a_training_step_never_waits_for_the_gpu(tmp_path, fused_loss):
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", "sync", "--mbs", "4", "--seq_len", "128",

@@ -50,8 +50,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += torch.where(ok, lse - target_logit, 0.0).sum()
             if need_grad:
                 g = logits.sub_(lse[:, None]).exp_()                # softmax, in place
-                hit = ok.nonzero().squeeze(1)
-                g[hit, t[hit]] -= 1.0
+                # minus one at each counted target (no .nonzero(): it would make the host wait)
+                g[torch.arange(len(t), device=g.device), t.clamp(min=0)] -= ok.float()
                 g = (g * (ok[:, None] / count)).to(hidden.dtype)    # (rows, V) bf16
                 grad_hidden[start:start + rows] = g @ weight        # (rows, C)
                 grad_weight += (g.t() @ h).float()                  # (V, C)

@@ -48,8 +48,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_t, hit, valid, count = ctx.saved_tensors
         # d mean / dz = (softmax - onehot(t)) / count for the valid tokens, 0 for the ignored.
         grad_logits = softmax * valid[:, None]
-        rows = hit.nonzero().squeeze(1)
-        grad_logits[rows, local_t[rows]] -= 1.0
+        # one (row, column) per token, minus 0 where the target is another rank's (or ignored):
+        # no .nonzero(), whose data-dependent size would make the host wait for the GPU
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local_t.clamp(0, grad_logits.shape[1] - 1)] -= hit.float()
         return grad_logits * (grad / count), None, None
 
 
