@@ -5,6 +5,7 @@ parallelism, weights), then the training loop. `python train.py --config ...` al
 one process without torchrun.
 """
 import argparse
+import contextlib
 import datetime
 import os
 import resource
@@ -186,39 +187,45 @@ def main(argv=None):
         if is_logger and r["step"] % config.logging.log_frequency == 0:
             print(format_step(record), flush=True)
 
-    for step in range(start_step, t.total_train_steps):
-        lr = lr_at(step + 1, t)
-        loss = train_step(model, loss_fn, grads, batches, step, config, pgm, device,
-                          optimizer.scaler.scale)
-        grads.finish()                                  # wait for the gradient reductions
-        dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
-        loss /= pgm.cp_dp_size
-        grad_norm, skipped = optimizer.step(lr)          # clip, step, share ZeRO shards
-        grads.zero_grad()
-        if step + 1 < t.total_train_steps:   # cut and queue the next step's batches now,
-            batches.prefetch(step + 1)       # while the device still runs this step
-        done = StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
-                           "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
+    try:
+        for step in range(start_step, t.total_train_steps):
+            lr = lr_at(step + 1, t)
+            loss = train_step(model, loss_fn, grads, batches, step, config, pgm, device,
+                              optimizer.scaler.scale)
+            grads.finish()                                  # wait for the gradient reductions
+            dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
+            loss /= pgm.cp_dp_size
+            grad_norm, skipped = optimizer.step(lr)          # clip, step, share ZeRO shards
+            grads.zero_grad()
+            if step + 1 < t.total_train_steps:   # cut and queue the next step's batches now,
+                batches.prefetch(step + 1)       # while the device still runs this step
+            done = StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
+                               "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
+            previous, pending = pending, done
+            if previous is not None:
+                log(previous)                    # the step before this one, now finished
+            every = config.checkpoint.save_frequency
+            validate = t.val_frequency and (step + 1) % t.val_frequency == 0
+            save = every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps)
+            if not (validate or save or step + 1 == t.total_train_steps):
+                continue
+            finished, pending = pending, None
+            log(finished)
+            if validate:
+                val = validation_loss(model, loss_fn, val_data, config, pgm, device)
+                metrics.write({"step": step + 1, "val_loss": val})
+                if is_logger:
+                    print(f"step {step + 1:>5} | val loss {val:.4f}", flush=True)
+            if save:
+                save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
+                                {"tokens_seen": tokens_seen, "data": data_state(config, step + 1,
+                                                                                data)})
+            clock = time.perf_counter()          # the next step's time leaves these out
+    except BaseException:      # a crash or Ctrl-C: the last finished step is still logged
         if pending is not None:
-            log(pending)                     # the step before this one, now finished
-        pending = done
-        every = config.checkpoint.save_frequency
-        validate = t.val_frequency and (step + 1) % t.val_frequency == 0
-        save = every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps)
-        if not (validate or save or step + 1 == t.total_train_steps):
-            continue
-        log(pending)
-        pending = None
-        if validate:
-            val = validation_loss(model, loss_fn, val_data, config, pgm, device)
-            metrics.write({"step": step + 1, "val_loss": val})
-            if is_logger:
-                print(f"step {step + 1:>5} | val loss {val:.4f}", flush=True)
-        if save:
-            save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
-                            {"tokens_seen": tokens_seen, "data": data_state(config, step + 1,
-                                                                            data)})
-        clock = time.perf_counter()          # the next step's time leaves these out
+            with contextlib.suppress(Exception):
+                log(pending)
+        raise
     if owns_group:
         dist.destroy_process_group()
 

@@ -69,3 +69,22 @@ def test_cpu_run_never_touches_cuda(tmp_path, monkeypatch, capsys):
     assert "step     3" in out and "MFU n/a" in out
     records = [json.loads(line) for line in open(tmp_path / "cpu" / "metrics.jsonl")]
     assert len(records) == 3
+
+
+def test_a_crash_still_logs_every_finished_step(tmp_path, monkeypatch):
+    """train.py logs a step once the next one is queued (StepValues); a step that fails (here
+    the 4th, as an out-of-memory would) must not take the 3rd step's record with it."""
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "crash", "--use_cpu",
+                               "--total_train_steps", "6", "--mbs", "2", "--seq_len", "32",
+                               "--dataset_name", "synthetic"])
+    real = train.train_step
+
+    def fails_at_the_fourth_step(*args):
+        if args[4] == 3:                     # (model, loss_fn, grads, batches, step, ...)
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args)
+    monkeypatch.setattr(train, "train_step", fails_at_the_fourth_step)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train.main(["--config", path])
+    records = [json.loads(line) for line in open(tmp_path / "crash" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
