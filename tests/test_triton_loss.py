@@ -62,6 +62,15 @@ def test_fp32_matches_cross_entropy(rows):
     assert ours[1][[3, 4, 50]].abs().max() == 0      # ignored tokens get no gradient
 
 
+def test_a_second_backward_gives_the_same_gradients():
+    h, w, t = problem(torch.float32)
+    h.requires_grad_(), w.requires_grad_()
+    loss = triton_loss.triton_linear_cross_entropy(h, w, t, 32)
+    first = torch.autograd.grad(loss * 0.5, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss * 0.5, (h, w))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_without_grad_only_the_loss():
     h, w, t = problem(torch.float32)
     with torch.no_grad():

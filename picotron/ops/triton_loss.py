@@ -112,8 +112,9 @@ class _TritonLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # not in place: a second backward (retain_graph=True) must find them unscaled
         return (grad_hidden * grad_out.to(grad_hidden.dtype),
-                grad_weight.mul_(grad_out).to(ctx.weight_dtype), None, None, None)
+                (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None)
 
 
 def triton_linear_cross_entropy(hidden, weight, targets, rows: int):
