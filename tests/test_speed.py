@@ -129,8 +129,9 @@ def test_config_checks_name_the_new_keys():
             config_from_dict({section: {name: bad}})
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
         config_from_dict({"model": {"kernels": "liger"}, "distributed": {"use_cpu": True}})
-    with pytest.raises(ConfigError, match="CUDA GPUs only"):
-        config_from_dict({"training": {"fused_loss": "liger"}, "distributed": {"use_cpu": True}})
+    for loss in ("liger", "triton"):
+        with pytest.raises(ConfigError, match="CUDA GPUs only"):
+            config_from_dict({"training": {"fused_loss": loss}, "distributed": {"use_cpu": True}})
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
         config_from_dict({"model": {"kernels": "triton"}, "distributed": {"use_cpu": True}})
     for kernels in ("liger", "triton"):
