@@ -85,7 +85,8 @@ def bucket_key(p):
 def gradient_dtype(params, summed: bool):
     """fp32 when anything is added into the buffer (micro-batches or ranks: `summed`; partial
     sums: a grad_sum_group); otherwise the parameters' own dtype, which loses nothing."""
-    return torch.float32 if summed or bucket_key(params[0])[3] is not None else params[0].dtype
+    partial = getattr(params[0], "grad_sum_group", None) is not None   # same for the bucket
+    return torch.float32 if summed or partial else params[0].dtype
 
 
 class GradBuckets:
