@@ -134,6 +134,9 @@ def test_config_checks_name_the_new_keys():
             config_from_dict({"training": {"fused_loss": loss}, "distributed": {"use_cpu": True}})
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
         config_from_dict({"model": {"kernels": "triton"}, "distributed": {"use_cpu": True}})
+    with pytest.raises(ConfigError, match="rounded to fp16 before the loss scale"):
+        config_from_dict({"training": {"fused_loss": "chunked", "dtype": "float16",
+                                       "master_weights": True}})
     for kernels in ("liger", "triton"):
         with pytest.raises(ConfigError, match="recomputation would be wrong"):
             config_from_dict({"model": {"kernels": kernels},
