@@ -112,6 +112,25 @@ def train_step(model, loss_fn, grads, batches, step, config, pgm, device, loss_s
     return total
 
 
+def queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm, device):
+    """One optimizer step, queued without waiting for the device: forward and backward,
+    gradient reductions, AdamW, and the next step's batches. Returns its StepValues (loss,
+    grad norm, skipped), to be read once the next step is queued."""
+    t = config.training
+    lr = lr_at(step + 1, t)
+    loss = train_step(model, loss_fn, grads, batches, step, config, pgm, device,
+                      optimizer.scaler.scale)
+    grads.finish()                                      # wait for the gradient reductions
+    dist.all_reduce(loss, group=pgm.cp_dp_group)         # each rank's share of the mean
+    loss /= pgm.cp_dp_size
+    grad_norm, skipped = optimizer.step(lr)              # clip, step, share ZeRO shards
+    grads.zero_grad()
+    if step + 1 < t.total_train_steps:       # cut and queue the next step's batches now,
+        batches.prefetch(step + 1)           # while the device still runs this step
+    return StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
+                       "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
+
+
 def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -189,18 +208,8 @@ def main(argv=None):
 
     try:
         for step in range(start_step, t.total_train_steps):
-            lr = lr_at(step + 1, t)
-            loss = train_step(model, loss_fn, grads, batches, step, config, pgm, device,
-                              optimizer.scaler.scale)
-            grads.finish()                                  # wait for the gradient reductions
-            dist.all_reduce(loss, group=pgm.cp_dp_group)     # each rank's share of the mean
-            loss /= pgm.cp_dp_size
-            grad_norm, skipped = optimizer.step(lr)          # clip, step, share ZeRO shards
-            grads.zero_grad()
-            if step + 1 < t.total_train_steps:   # cut and queue the next step's batches now,
-                batches.prefetch(step + 1)       # while the device still runs this step
-            done = StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
-                               "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
+            done = queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
+                              device)
             previous, pending = pending, done
             if previous is not None:
                 log(previous)                    # the step before this one, now finished

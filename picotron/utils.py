@@ -103,7 +103,6 @@ def format_step(r: dict) -> str:
             + (" | non-finite gradient: step skipped" if r.get("skipped") else ""))
 
 
-
 class StepValues:
     """A step's scalars (loss, grad norm, ...), copied to the host without waiting for them.
 

@@ -3,16 +3,15 @@
 Why it matters: any wait (`.item()`, a blocking copy, `torch.equal`) drains the queue of
 launched kernels, and the GPU then idles while the host launches the next ones. train.py's
 loop body is run here as train.py runs it (model.kernels=triton, training.fused_loss=triton,
-the one-pass Triton AdamW, StepBatches' prefetch, StepValues for the logged scalars) under
-torch's sync debug mode "error", which raises on every synchronizing CUDA call. The values
-are read afterwards and must match a plain `.item()` of the same step.
+the one-pass Triton AdamW, StepBatches' prefetch, StepValues for the logged scalars; it is
+train.queue_step itself) under torch's sync debug mode "error", which raises on every
+synchronizing CUDA call. The values are read afterwards.
 """
 import os
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +24,7 @@ from picotron.utils import StepValues  # noqa: E402
 
 
 @pytest.mark.parametrize("fused_loss", ["triton", "chunked", "none"])
-def test_a_training_step_never_waits_for_the_gpu(tmp_path, fused_loss):
+def test_a_training_step_never_waits_for_the_gpu(tmp_path, monkeypatch, fused_loss):
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", "sync", "--mbs", "4", "--seq_len", "128",
         "--total_train_steps", "10", "--use_fused_adam", "--set", "model.kernels=triton",
@@ -38,23 +37,25 @@ def test_a_training_step_never_waits_for_the_gpu(tmp_path, fused_loss):
     loss_fn = loss_function(pgm, config, model)
     batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
 
+    queued = {}
+
+    class Kept(StepValues):      # also keeps the device tensors, to check what read() returns
+        def __init__(self, values, device):
+            queued.update(values)
+            super().__init__(values, device)
+    monkeypatch.setattr(train, "StepValues", Kept)
+
     def step(i):                 # train.py's loop body, up to the values it logs
-        loss = train.train_step(model, loss_fn, grads, batches, i, config, pgm, device, 1.0)
-        grads.finish()
-        dist.all_reduce(loss, group=pgm.cp_dp_group)
-        grad_norm, skipped = optimizer.step(3e-4)
-        grads.zero_grad()
-        batches.prefetch(i + 1)
-        return loss, StepValues({"step": i + 1, "loss": loss, "grad_norm": grad_norm,
-                                 "skipped": skipped}, device)
+        return train.queue_step(model, loss_fn, grads, optimizer, batches, i, config, pgm,
+                                device)
     for i in range(2):           # compile the Triton kernels, fill the allocator's cache
-        step(i)[1].read()
+        step(i).read()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, values = step(2)
+        values = step(2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     got = values.read()
-    assert got["step"] == 3 and got["loss"] == loss.item() and got["skipped"] == 0.0
+    assert got["step"] == 3 and got["loss"] == queued["loss"].item() and got["skipped"] == 0.0
     assert 0 < got["grad_norm"] < float("inf")
