@@ -9,7 +9,9 @@ synthetic tokens (the same windows for every run), it times:
   model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
   both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "our-loss":
   training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
-  training.cuda_graphs on top). As train.py, a step's loss is read once the next step is
+  training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
+  which with our kernels recomputes the SwiGLU output; a label ending in " chunk4096" sets
+  training.loss_chunk_tokens). As train.py, a step's loss is read once the next step is
   queued (picotron.utils.StepValues); the "item" row reads it at once, as the HF loops do);
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
@@ -60,6 +62,8 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton our-loss fp32-master": (True, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss fp32-grads": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss graphs": (False, "triton", "triton", False, "none", "sdpa"),
+        "ours triton our-loss selective": (False, "triton", "triton", False, "selective",
+                                           "sdpa"),
         "ours triton no-prefetch": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
@@ -92,11 +96,12 @@ def base_config(shape, mbs, seq):
 
 
 def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn,
-                graphs=False, read_now=False):
+                graphs=False, read_now=False, chunk=0):
     raw = base_config(shape, mbs, seq)
     raw["model"].update(kernels=kernels, attn_implementation=attn)
     raw["training"].update(master_weights=master, fused_loss=fused_loss, compile=compile_,
-                           activation_checkpointing=ckpt, cuda_graphs=graphs)
+                           activation_checkpointing=ckpt, cuda_graphs=graphs,
+                           loss_chunk_tokens=chunk)
     config = config_from_dict(raw, world_size=1)
     pgm, device = ProcessGroupManager(1, 1, 1, 1), torch.device("cuda")
     model = train.build_model(config, pgm, device)
@@ -199,11 +204,14 @@ def maker(label, shape, mbs, seq, ckpt=None):
     if label.endswith("fp32-grads"):      # fp32 gradient buffers even when nothing is summed
         from picotron.data_parallel import buckets
         buckets.gradient_dtype = lambda params, summed: torch.float32
+    chunk = 0
+    if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk4096": loss_chunk_tokens
+        label, chunk = label.rpartition(" ")[0], int(label.rpartition(" chunk")[2])
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
                                    label.endswith("graphs") and (ckpt or o[4]) == "none",
-                                   label.endswith(" item"))
+                                   label.endswith(" item"), chunk)
     return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
 
 
@@ -243,8 +251,8 @@ def main():
         mcfg = config_from_dict(base_config(shape, args.mbs, args.seq)).model
         fpt = flops_per_token(mcfg, args.seq)
         emit(f"\n== {shape}: N = {count_params(mcfg) / 1e6:.1f}M, {fpt / 1e9:.3f} GFLOP/token")
-        labels = [x for x in list(OURS) + ["hf", "hf+liger"]
-                  if not args.rows or x in args.rows.split(",")]
+        labels = ([x for x in args.rows.split(",") if x] if args.rows
+                  else list(OURS) + ["hf", "hf+liger"])
         runs = {label: [] for label in labels}      # label -> one result per round
         for round_ in range(args.repeats):          # rows alternate: drift hits all alike
             for label in labels:

@@ -97,6 +97,10 @@ class TrainingConfig:
     # at a time, plain PyTorch | liger: the same with liger-kernel | triton: the same with our
     # Triton kernel, no host sync (picotron/ops/loss.py, triton_loss.py)
     fused_loss: str = "none"
+    # tokens per chunk of the "chunked" and "triton" losses; 0: liger's rule, a chunk's logits
+    # about the size of the hidden states. Larger chunks: more memory, fewer passes over the
+    # (V, C) fp32 head-gradient accumulator
+    loss_chunk_tokens: int = 0
     activation_checkpointing: str = "none"   # none | full | selective (picotron/ops/recompute.py)
     compile: bool = False              # torch.compile each decoder layer
     cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs

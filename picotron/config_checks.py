@@ -92,11 +92,12 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     gpu_only = [f"{k}='{v}'" for k, v in (("model.kernels", m.kernels),
                                            ("training.fused_loss", t.fused_loss))
                 if v in ("liger", "triton")]
-    if m.kernels != "torch" and t.activation_checkpointing == "selective":
-        errors.append(f"training.activation_checkpointing='selective' keeps the matmul outputs "
-                      f"by op name, and model.kernels='{m.kernels}' runs its own autograd "
-                      f"functions (liger rotates q and k in place inside those outputs), so the "
-                      f"recomputation would be wrong; use 'full' or model.kernels='torch'")
+    if m.kernels == "liger" and t.activation_checkpointing == "selective":
+        errors.append("training.activation_checkpointing='selective' keeps the matmul outputs "
+                      "by op name, and model.kernels='liger' runs its own autograd functions "
+                      "(liger rotates q and k in place inside those outputs), so the "
+                      "recomputation would be wrong; use 'full', or model.kernels='triton' "
+                      "(whose 'selective' recomputes the SwiGLU output) or 'torch'")
     if m.attn_implementation == "flash_attention_2" and d.use_cpu:
         errors.append("model.attn_implementation='flash_attention_2' runs flash-attn's CUDA "
                       "kernels, but distributed.use_cpu is true; use 'sdpa' or 'auto'")
@@ -113,6 +114,13 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
             errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
     if t.warmup_steps < 0:
         errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.loss_chunk_tokens < 0:
+        errors.append(f"training.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 "
+                      f"(0: the default chunk)")
+    elif t.loss_chunk_tokens and t.fused_loss not in ("chunked", "triton"):
+        errors.append(f"training.loss_chunk_tokens={t.loss_chunk_tokens} sizes the chunks of "
+                      f"training.fused_loss 'chunked' and 'triton', not '{t.fused_loss}'; "
+                      f"set it to 0 or pick one of those losses")
     if not 0.0 <= d.offload_optim_frac <= 1.0:
         errors.append(f"distributed.offload_optim_frac={d.offload_optim_frac} must be in [0, 1]")
     if d.bucket_size_mb <= 0:

@@ -63,6 +63,14 @@ def swiglu_in(x, mlp):
     return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
 
 
+def swiglu_mlp(swiglu_in_fn):
+    """The MLP from its SwiGLU input op: down(swiglu_in(x)). A fast path may instead fuse the
+    down projection with the SwiGLU (picotron/ops/triton_swiglu.py, swiglu_linear)."""
+    def mlp(x, mlp_module):
+        return mlp_module.down_proj(swiglu_in_fn(x, mlp_module))
+    return mlp
+
+
 def with_residual(norm_fn):
     """The residual form of a norm: (x, delta, w, eps) -> (h, norm(h)) with h = x + delta, the
     add that ends a layer's attention half and the norm that starts its MLP half."""
@@ -74,16 +82,18 @@ def with_residual(norm_fn):
 
 TORCH_KERNELS = types.SimpleNamespace(
     rms_norm=rms_norm, layer_norm=layer_norm, add_rms_norm=with_residual(rms_norm),
-    add_layer_norm=with_residual(layer_norm), qkv_rope=qkv_rope, swiglu_in=swiglu_in)
+    add_layer_norm=with_residual(layer_norm), qkv_rope=qkv_rope, swiglu_in=swiglu_in,
+    mlp=swiglu_mlp(swiglu_in))
 
 
-def resolve_kernels(name: str):
+def resolve_kernels(name: str, recompute_swiglu: bool = False):
     """The op namespace for `model.kernels`: "torch" (the reference above), "liger" or
-    "triton"; the fast ones import their packages only when asked."""
+    "triton"; the fast ones import their packages only when asked. recompute_swiglu
+    ("triton" only): the MLP recomputes its SwiGLU output in backward instead of keeping it."""
     if name == "torch":
         return TORCH_KERNELS
     from picotron.ops import fused, liger
-    return liger.liger_kernels() if name == "liger" else fused.triton_kernels()
+    return liger.liger_kernels() if name == "liger" else fused.triton_kernels(recompute_swiglu)
 
 
 class RMSNorm(nn.Module):
@@ -158,7 +168,7 @@ class MLP(nn.Module):
         self.kernels = kernels
 
     def forward(self, x):
-        return self.down_proj(self.kernels.swiglu_in(x, self))
+        return self.kernels.mlp(x, self)           # down(silu(gate(x)) * up(x))
 
 
 class DecoderLayer(nn.Module):
@@ -201,8 +211,11 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg, attention_fn=sdpa_attention, checkpointing: str = "none"):
         super().__init__()
-        self.cfg, self.checkpointing = cfg, checkpointing
-        kernels = resolve_kernels(cfg.kernels)
+        # "selective" with our Triton kernels is done inside the MLP (its SwiGLU output is
+        # recomputed in backward, picotron/ops/triton_swiglu.py), not by torch's checkpoint
+        ours = checkpointing == "selective" and cfg.kernels == "triton"
+        self.cfg, self.checkpointing = cfg, "none" if ours else checkpointing
+        kernels = resolve_kernels(cfg.kernels, recompute_swiglu=ours)
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn, kernels)

@@ -19,7 +19,8 @@ import torch
 
 from picotron.ops.fused_linear import fused_linear, fused_linear_reference
 from picotron.ops.recompute import checkpointed
-from picotron.ops.triton_swiglu import swiglu_packed, swiglu_packed_reference
+from picotron.ops.triton_swiglu import (swiglu_linear, swiglu_linear_reference, swiglu_packed,
+                                        swiglu_packed_reference)
 
 CUDA = torch.cuda.is_available()
 # Triton kernels run on CPU tensors only in the interpreter (conftest.py sets it when there is
@@ -135,6 +136,43 @@ def test_swiglu_packed(device, shape, dtype, inplace):
     leaf = gu.clone().requires_grad_()
     swiglu_packed(leaf).backward(dh)
     assert torch.equal(leaf.detach(), gu)                       # a leaf is never overwritten
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device, shape", SWIGLU_CASES)
+def test_swiglu_linear(device, shape, dtype, inplace):
+    """swiglu_linear(gu, w_down) recomputes h = swiglu(gu) in backward: its output and the
+    gradients of gu and w_down are bitwise those of swiglu_packed then F.linear, which keeps
+    h (same kernels on the same inputs; the recomputed h is the forward's to the bit)."""
+    torch.manual_seed(0)
+    i, o = shape[-1] // 2, 40
+    gu = randn(shape, device, dtype, std=2.0)
+    w = randn((o, i), device, dtype, std=i ** -0.5)
+    dy = randn((*shape[:-1], o), device, dtype)
+    wrap = (lambda f: lambda gu, w: f(gu * 1, w)) if inplace else (lambda f: f)
+    got = run(wrap(swiglu_linear), [gu, w], dy)
+    want = run(wrap(swiglu_linear_reference), [gu, w], dy)
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
+    # and the gradient of w alone (gu needs none): h from the forward kernel instead
+    w2 = w.clone().requires_grad_()
+    swiglu_linear(gu, w2).backward(dy)
+    assert torch.equal(w2.grad, want[2])
+
+
+def test_swiglu_linear_keeps_gu_and_weight_only():
+    """What makes it worth having: backward keeps gu and w_down, not the (N, I) SwiGLU output
+    that F.linear would save (18-20% of a layer's activations at SmolLM's widths)."""
+    gu = torch.randn(2, 5, 48, device=SMALL, requires_grad=True)
+    w = torch.randn(30, 24, device=SMALL, requires_grad=True)
+    for fn, extra in ((swiglu_linear, 0), (swiglu_linear_reference, 2 * 5 * 24)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            y = fn(gu * 1, w)
+        assert sum(t.numel() for t in saved) == gu.numel() + w.numel() + extra, fn
+        y.sum().backward()
 
 
 def test_swiglu_inplace_is_guarded():

@@ -134,7 +134,8 @@ def test_fused_loss(impl):
 
 @pytest.mark.parametrize("kernels,checkpointing,fused_loss", [
     ("liger", "none", "liger"), ("liger", "full", "liger"), ("triton", "none", "liger"),
-    ("triton", "full", "liger"), ("triton", "none", "triton"), ("triton", "full", "triton")])
+    ("triton", "full", "liger"), ("triton", "none", "triton"), ("triton", "full", "triton"),
+    ("triton", "selective", "triton")])
 def test_model_with_fast_kernels_matches_torch(kernels, checkpointing, fused_loss):
     """A 4-layer model at 360M's widths, bf16, the same weights: logits and every gradient of
     the fast kernels + fused-loss path (liger's or ours) against the reference path."""

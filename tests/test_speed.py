@@ -12,6 +12,7 @@ from picotron.config import ConfigError, ModelConfig, config_from_dict
 from picotron.attention import sdpa_attention
 from picotron.model import Decoder, causal_lm_loss, materialize
 from picotron.ops.loss import IGNORE_INDEX, LinearCrossEntropy, chunked_linear_cross_entropy
+import picotron.ops.loss as loss_module
 
 TINY = dict(vocab_size=97, hidden_size=36, intermediate_size=70, num_hidden_layers=3,
             num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
@@ -71,12 +72,18 @@ def loss_and_grads(model, loss_fn, head):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_model_with_fused_loss_matches_reference(tied):
-    """The head applied inside the loss (tied: the embedding gets both gradients)."""
+@pytest.mark.parametrize("tied, chunk_tokens", [(True, 0), (False, 0), (True, 7)])
+def test_model_with_fused_loss_matches_reference(tied, chunk_tokens, monkeypatch):
+    """The head applied inside the loss (tied: the embedding gets both gradients); with
+    training.loss_chunk_tokens = 7, 60 tokens go in 9 chunks, the last one short."""
     model = build(tied=tied)
     ref_loss, ref = loss_and_grads(model, causal_lm_loss, True)
-    loss, got = loss_and_grads(model, LinearCrossEntropy(model, "chunked"), False)
+    rows = []
+    chunked = loss_module.chunked_linear_cross_entropy
+    monkeypatch.setattr(loss_module, "chunked_linear_cross_entropy",
+                        lambda *a: rows.append(a[3]) or chunked(*a))
+    loss, got = loss_and_grads(model, LinearCrossEntropy(model, "chunked", chunk_tokens), False)
+    assert rows == [chunk_tokens or loss_module.default_rows(60, TINY["hidden_size"], 97)]
     assert abs(loss - ref_loss) < 1e-6 * ref_loss
     for name in ref:
         assert rel_err(got[name], ref[name]) < 1e-5, name
@@ -137,10 +144,16 @@ def test_config_checks_name_the_new_keys():
     with pytest.raises(ConfigError, match="rounded to fp16 before the loss scale"):
         config_from_dict({"training": {"fused_loss": "chunked", "dtype": "float16",
                                        "master_weights": True}})
-    for kernels in ("liger", "triton"):
-        with pytest.raises(ConfigError, match="recomputation would be wrong"):
-            config_from_dict({"model": {"kernels": kernels},
-                              "training": {"activation_checkpointing": "selective"}})
+    with pytest.raises(ConfigError, match="loss_chunk_tokens=-1 must be >= 0"):
+        config_from_dict({"training": {"fused_loss": "chunked", "loss_chunk_tokens": -1}})
+    with pytest.raises(ConfigError, match="sizes the chunks of training.fused_loss"):
+        config_from_dict({"training": {"fused_loss": "none", "loss_chunk_tokens": 4096}})
+    with pytest.raises(ConfigError, match="recomputation would be wrong"):
+        config_from_dict({"model": {"kernels": "liger"},
+                          "training": {"activation_checkpointing": "selective"}})
+    # ours recompute inside their own autograd function (triton_swiglu.swiglu_linear)
+    config_from_dict({"model": {"kernels": "triton"},
+                      "training": {"activation_checkpointing": "selective"}})
 
 
 def test_train_with_fast_paths_matches_reference(tmp_path):

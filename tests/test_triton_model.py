@@ -3,7 +3,8 @@
 On CPU the Triton kernels run in Triton's interpreter (tests/conftest.py), so CI checks the
 wiring (fused q/k/v and gate/up projections, packed RoPE and SwiGLU, the norms) end to end on
 Llama and on the PaLM-style options (LayerNorm, parallel residual, multi-query attention),
-with head dims that are not powers of two. fp32 throughout: the same math in another order,
+with head dims that are not powers of two, and each activation checkpointing mode ("selective"
+is the MLP's SwiGLU output recomputed inside swiglu_linear). fp32 throughout: the same math in another order,
 so the loss and every gradient agree to 1e-5 relative. tests/test_kernels_gpu.py runs the
 bf16 version of this at 360M's widths on a GPU.
 """
@@ -27,7 +28,7 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("shape", [LLAMA, PALM], ids=["llama", "palm"])
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_triton_kernels_match_reference(shape, checkpointing):
     ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out = {}
@@ -43,3 +44,29 @@ def test_triton_kernels_match_reference(shape, checkpointing):
     assert rel(out["triton"][0], out["torch"][0]) < 1e-5
     for name, g in out["torch"][1].items():
         assert g is not None and rel(out["triton"][1][name], g) < 1e-5, name
+
+
+def test_recomputing_mlp_sums_tensor_parallel_partials():
+    """With "selective", the MLP computes the down projection inside swiglu_linear rather than
+    through down_proj's forward, so it must still call the row-parallel layer's `reduce` (the
+    all-reduce or reduce-scatter of tensor parallelism). A `reduce` that doubles shows it."""
+    from picotron.model import MLP
+    from picotron.ops.fused import triton_kernels
+
+    class DoublingDown(torch.nn.Linear):
+        def reduce(self, partial):
+            return 2 * partial
+
+    cfg = ModelConfig(**LLAMA)
+    torch.manual_seed(0)
+    mlps = {name: MLP(cfg, kernels).to(DEVICE) for name, kernels in
+            (("keep", triton_kernels()), ("recompute", triton_kernels(recompute_swiglu=True)))}
+    mlps["recompute"].load_state_dict(mlps["keep"].state_dict())
+    x = torch.randn(2, 5, cfg.hidden_size, device=DEVICE)
+    plain = {name: m(x) for name, m in mlps.items()}
+    assert rel(plain["recompute"], plain["keep"]) < 1e-6
+    m = mlps["recompute"]
+    down = DoublingDown(cfg.intermediate_size, cfg.hidden_size, bias=False, device=DEVICE)
+    down.weight = m.down_proj.weight
+    m.down_proj = down
+    assert torch.equal(mlps["recompute"](x), 2 * plain["recompute"])

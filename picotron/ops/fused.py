@@ -6,6 +6,9 @@
                            of the packed rows into contiguous q, k, v (triton_rope.py)
     swiglu_in              one matmul for gate and up, SwiGLU on the packed result
                            (triton_swiglu.py)
+    mlp                    down(swiglu_in(x)); with recompute_swiglu (activation
+                           checkpointing "selective") the SwiGLU and the down projection are
+                           one op that keeps gu, not the SwiGLU output (swiglu_linear)
 
 The projections stay separate named parameters (checkpoints and tensor-parallel shards are
 laid out by them); their weights are concatenated at run time, a copy of a few MB per layer
@@ -17,15 +20,23 @@ forward and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1
 import types
 
 from picotron.config import MissingPackage
+from picotron.model import swiglu_mlp
 from picotron.ops.fused_linear import fused_linear
 
 
-def triton_kernels():
+def sum_partials(linear, y):
+    """A row-parallel layer's partial products summed over tensor parallelism (its `reduce`);
+    a plain nn.Linear's output is already whole."""
+    reduce = getattr(linear, "reduce", None)
+    return y if reduce is None else reduce(y)
+
+
+def triton_kernels(recompute_swiglu: bool = False):
     try:
         from picotron.ops.triton_norms import (add_layer_norm, add_rms_norm, layer_norm,
                                                  rms_norm)
         from picotron.ops.triton_rope import qkv_rope as rope_packed
-        from picotron.ops.triton_swiglu import swiglu_packed
+        from picotron.ops.triton_swiglu import swiglu_linear, swiglu_packed
     except ImportError as e:
         raise MissingPackage("model.kernels='triton'", "the triton package on a CUDA machine "
                              "(`pip install triton`)", "or set model.kernels='torch'", e) from None
@@ -38,6 +49,12 @@ def triton_kernels():
     def swiglu_in(x, mlp):
         return swiglu_packed(fused_linear(x, [mlp.gate_proj.weight, mlp.up_proj.weight]))
 
+    def mlp_recomputing_swiglu(x, mlp):
+        gu = fused_linear(x, [mlp.gate_proj.weight, mlp.up_proj.weight])   # (B, T, 2I)
+        return sum_partials(mlp.down_proj, swiglu_linear(gu, mlp.down_proj.weight))
+
     return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm,
                                  add_rms_norm=add_rms_norm, add_layer_norm=add_layer_norm,
-                                 qkv_rope=qkv_rope, swiglu_in=swiglu_in)
+                                 qkv_rope=qkv_rope, swiglu_in=swiglu_in,
+                                 mlp=mlp_recomputing_swiglu if recompute_swiglu
+                                 else swiglu_mlp(swiglu_in))

@@ -79,8 +79,8 @@ class LinearCrossEntropy:
     cross-entropy in one op. The model is then run with `head=False`."""
     applies_head = True       # callers read this to run the model without its head
 
-    def __init__(self, model, impl: str):
-        self.model, self.impl = model, impl
+    def __init__(self, model, impl: str, chunk_tokens: int = 0):
+        self.model, self.impl, self.chunk_tokens = model, impl, chunk_tokens
         if impl == "liger":
             try:
                 from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -99,7 +99,8 @@ class LinearCrossEntropy:
         if self.impl == "liger":   # fp32 accumulation of the head's gradient, as "chunked"
             return self.liger(hidden, weight, targets, ignore_index=IGNORE_INDEX,
                               accum_dtype=torch.float32)
+        rows = self.chunk_tokens or default_rows(hidden.shape[0], hidden.shape[1],
+                                                 weight.shape[0])
         if self.impl == "triton":
-            rows = default_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
             return self.triton(hidden, weight, targets, rows)
-        return chunked_linear_cross_entropy(hidden, weight, targets)
+        return chunked_linear_cross_entropy(hidden, weight, targets, rows)

@@ -76,7 +76,11 @@ class RowParallelLinear(nn.Module):
                                      (slice(None), slice(start, stop)))
 
     def forward(self, x):
-        partial = F.linear(x, self.weight)                       # (B, T, O), partial sums
+        return self.reduce(F.linear(x, self.weight))             # (B, T, O), partial sums
+
+    def reduce(self, partial):
+        """g on this rank's partial product (B, T, O); a fused op that computes the product
+        itself calls it too (picotron/ops/fused.py)."""
         return leave_tp(partial, self.tp_group, self.sequence_parallel)
 
 

@@ -133,5 +133,6 @@ def loss_function(pgm, config, model=None):
     if pgm.tp_size > 1:
         return partial(vocab_parallel_cross_entropy, group=pgm.tp_group)
     if config.training.fused_loss != "none":
-        return LinearCrossEntropy(model, config.training.fused_loss)
+        return LinearCrossEntropy(model, config.training.fused_loss,
+                                  config.training.loss_chunk_tokens)
     return causal_lm_loss
