@@ -3,6 +3,9 @@ activation checkpointing, for our path and for Hugging Face + Liger.
 
     python bench/largest_batch.py [--shapes SmolLM-360M,SmolLM-1.7B]
                                   [--rows "ours triton,hf+liger"] [--limit 256] [--out DIR]
+                                  [--modes own,full]
+
+"own" is the row's own checkpointing: "selective" for a "... selective" row, else none.
 
 The rows, models, data and optimizers are bench_speed.py's (seq 2048, bf16 parameters, fused
 AdamW). "Fits" means two whole training steps (forward, backward, optimizer) run without an
@@ -75,12 +78,14 @@ def child(args):
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     train.materialize = bench_speed.cached_materialize
     results = {}
-    for ckpt in ("none", "full"):
+    own = "selective" if "selective" in args.one else "none"      # the row's own mode
+    for ckpt in args.modes.split(","):
+        ckpt = own if ckpt == "own" else ckpt
         results[ckpt] = search(args.one, args.shapes, args.seq, ckpt, args.limit)
     print("RESULT " + json.dumps(results))
 
 
-def report(shapes, rows, seq, limit, emit):
+def report(shapes, rows, seq, limit, emit, modes="own,full"):
     """Search every (shape, row), each row in its own process; one line per result."""
     emit(f"largest micro-batch that runs two steps (16, 32, ... up to {limit}, then steps of "
          f"8), seq {seq}, bf16 params, fused AdamW")
@@ -88,7 +93,8 @@ def report(shapes, rows, seq, limit, emit):
         for label in rows.split(","):
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
-                                   "--shapes", shape, "--seq", str(seq), "--limit", str(limit)],
+                                   "--shapes", shape, "--seq", str(seq), "--limit", str(limit),
+                                   "--modes", modes],
                                   capture_output=True, text=True)
             found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if not found:
@@ -96,7 +102,7 @@ def report(shapes, rows, seq, limit, emit):
                 continue
             for ckpt, (best, peak, tried) in json.loads(found[-1][7:]).items():
                 peak_text = f"{peak:.1f} GB" if peak is not None else "-"
-                emit(f"{shape:12s} {label:12s} checkpointing={ckpt:4s} largest micro-batch "
+                emit(f"{shape:12s} {label:12s} checkpointing={ckpt:9s} largest micro-batch "
                      f"{best} (peak {peak_text}); tried {', '.join(tried)}")
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -107,6 +113,9 @@ def main():
     p.add_argument("--rows", default="ours triton,hf+liger")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--limit", type=int, default=256, help="largest micro-batch tried")
+    p.add_argument("--modes", default="own,full", help="activation checkpointing modes to "
+                   "search: 'own' (the row's: selective for a '... selective' row, else "
+                   "none), 'none', 'selective', 'full'")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", help=argparse.SUPPRESS)       # child: search this row
     args = p.parse_args()
@@ -117,7 +126,7 @@ def main():
     def emit(text):
         print(text, flush=True)
         lines.append(text)
-    report(args.shapes, args.rows, args.seq, args.limit, emit)
+    report(args.shapes, args.rows, args.seq, args.limit, emit, args.modes)
     with open(os.path.join(args.out, "largest_batch.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -101,7 +101,9 @@ class TrainingConfig:
     # about the size of the hidden states. Larger chunks: more memory, fewer passes over the
     # (V, C) fp32 head-gradient accumulator
     loss_chunk_tokens: int = 0
-    activation_checkpointing: str = "none"   # none | full | selective (picotron/ops/recompute.py)
+    # none | full | selective (picotron/ops/recompute.py; with kernels=triton, "selective"
+    # recomputes the SwiGLU output in the MLP's backward, picotron/ops/triton_swiglu.py)
+    activation_checkpointing: str = "none"
     compile: bool = False              # torch.compile each decoder layer
     cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
 

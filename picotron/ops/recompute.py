@@ -10,6 +10,11 @@ Backward needs tensors saved by forward; at seq 2048 they, not the weights, fill
   (T, T) scores are the largest tensor; a fused attention kernel never stores them, so here
   the cheap pointwise ops are what is left to drop. Costs a few percent of time and saves
   the norms' fp32 and bf16 outputs, RoPE's rotated q/k and SwiGLU's silu and product.
+  With model.kernels="triton" the norms, RoPE and SwiGLU are our own autograd functions,
+  which already keep only their inputs; what is left to drop is the SwiGLU output that the
+  down projection keeps. There "selective" does not use torch's checkpoint at all: the MLP
+  runs swiglu_linear (picotron/ops/triton_swiglu.py), which recomputes that output inside its
+  own backward (model.Decoder turns it on).
 Both use PyTorch's non-reentrant checkpoint, which recomputes the same kernels on the same
 inputs, so losses and gradients are bitwise those of "none" (tests/test_speed.py).
 """
