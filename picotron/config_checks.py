@@ -128,16 +128,15 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if t.dtype == "float16" and not t.master_weights:
         errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
                       "weights cannot absorb small updates, and loss scaling unscales into them")
-    if t.dtype == "float16" and t.fused_loss != "none" and d.tp_size == 1:
-        # The fused losses store d loss / d logits, (softmax - onehot) / tokens, in the model
-        # dtype during forward, before backward multiplies in the loss scale: in fp16 the small
-        # ones (~1e-9 for a 49k vocabulary and 32k tokens) underflow. Measured on CPU, "chunked"
-        # at V = 4096, 8192 tokens, loss scale 1024: 7.6% / 10.6% relative error in the hidden /
-        # head gradients, against 0.04% for the unfused fp16 loss.
-        errors.append(f"training.fused_loss='{t.fused_loss}' with training.dtype='float16' "
-                      f"would lose part of the logits' gradient (it is rounded to fp16 before "
-                      f"the loss scale applies); use training.dtype='bfloat16' or "
-                      f"training.fused_loss='none'")
+    if t.dtype == "float16" and t.fused_loss == "liger" and d.tp_size == 1:
+        # liger stores d loss / d logits, (softmax - onehot) / tokens, in the model dtype
+        # during forward, before backward multiplies in the loss scale: in fp16 the small ones
+        # (~1e-9 for a 49k vocabulary and 32k tokens) underflow. Ours keep it per token and
+        # divide in backward (picotron/ops/loss.py).
+        errors.append("training.fused_loss='liger' with training.dtype='float16' would lose "
+                      "part of the logits' gradient (liger rounds it to fp16 before the loss "
+                      "scale applies); use training.fused_loss='triton' or 'chunked', or "
+                      "training.dtype='bfloat16'")
     if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
         errors.append(f"training.initial_loss_scale={t.initial_loss_scale} and "
                       f"loss_scale_window={t.loss_scale_window} must be >= 1")

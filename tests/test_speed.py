@@ -56,6 +56,39 @@ def test_chunked_loss_bf16_is_as_close_as_the_reference():
     assert rel_err(ch.float(), gh.float()) < 4e-3 and rel_err(cw.float(), gw.float()) < 4e-3
 
 
+@pytest.mark.parametrize("impl", ["chunked", "triton"])
+def test_fused_loss_in_fp16_keeps_small_gradients(impl):
+    """fp16 with loss scaling: (softmax - onehot) / count is ~1e-7..1e-8 for most logits at
+    V = 4096 and 2048 tokens, at or below fp16's smallest values, so a loss that divides by the
+    count in forward (as liger does, and ours did) loses it before backward multiplies by the
+    loss scale (here 2.5e-3 relative error against fp64, where the unfused fp16 loss has
+    3.3e-4). Ours keep per-token gradients and divide in backward: within 2x of the unfused
+    fp16 loss's error (3.3e-4 / 3.9e-4 measured)."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        from picotron.ops.triton_loss import triton_linear_cross_entropy as fused
+    else:
+        fused = chunked_linear_cross_entropy
+    device = "cuda" if torch.cuda.is_available() and impl == "triton" else "cpu"
+    torch.manual_seed(0)
+    N, C, V, scale = 2048, 64, 4096, 1024.0
+    h, w = torch.randn(N, C, device=device), 0.1 * torch.randn(V, C, device=device)
+    t = torch.randint(0, V, (N,), device=device)
+
+    def grads(fn, dtype):
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        (fn(hh, ww) * scale).backward()                 # as train_step with a loss scale
+        return hh.grad.double() / scale, ww.grad.double() / scale
+
+    def unfused(h, w):
+        return causal_lm_loss((h @ w.t())[None], t[None])
+    exact = grads(unfused, torch.float64)
+    reference = grads(unfused, torch.float16)
+    got = grads(lambda h, w: fused(h, w, t, 512), torch.float16)
+    for g, r, e in zip(got, reference, exact):
+        assert rel_err(g, e) < 2 * rel_err(r, e), (rel_err(g, e), rel_err(r, e))
+
+
 def build(checkpointing="none", tied=True):
     with torch.device("meta"):
         model = Decoder(ModelConfig(**TINY, tie_word_embeddings=tied), sdpa_attention,
@@ -141,8 +174,11 @@ def test_config_checks_name_the_new_keys():
             config_from_dict({"training": {"fused_loss": loss}, "distributed": {"use_cpu": True}})
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
         config_from_dict({"model": {"kernels": "triton"}, "distributed": {"use_cpu": True}})
-    with pytest.raises(ConfigError, match="rounded to fp16 before the loss scale"):
-        config_from_dict({"training": {"fused_loss": "chunked", "dtype": "float16",
+    with pytest.raises(ConfigError, match="liger rounds it to fp16 before the loss scale"):
+        config_from_dict({"training": {"fused_loss": "liger", "dtype": "float16",
+                                       "master_weights": True}})
+    for loss in ("chunked", "triton"):     # ours keep per-token gradients (next test)
+        config_from_dict({"training": {"fused_loss": loss, "dtype": "float16",
                                        "master_weights": True}})
     with pytest.raises(ConfigError, match="loss_chunk_tokens=-1 must be >= 0"):
         config_from_dict({"training": {"fused_loss": "chunked", "loss_chunk_tokens": -1}})
@@ -156,19 +192,24 @@ def test_config_checks_name_the_new_keys():
                       "training": {"activation_checkpointing": "selective"}})
 
 
-def test_train_with_fast_paths_matches_reference(tmp_path):
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-3)])
+def test_train_with_fast_paths_matches_reference(tmp_path, dtype, tol):
     """train.py on CPU: chunked loss + selective checkpointing + validation give the same
-    losses as the reference path (fp32: ~1e-6 from the loss's summation order)."""
+    losses as the reference path. fp32: ~1e-6 from the loss's summation order. fp16 (loss
+    scale 65536, so the loss's backward gets grad_output = 65536): the same up to fp16's
+    rounding in another order, 2^-11 = 5e-4 per op."""
     losses = {}
     for name, extra in (("ref", []), ("fast", ["--set", "training.fused_loss=chunked", "--set",
                                                "training.activation_checkpointing=selective"])):
         path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", name, "--use_cpu",
                                    "--total_train_steps", "4", "--mbs", "2", "--seq_len", "32",
                                    "--set", "training.val_frequency=2", "--set",
-                                   "dataset.val_samples=2"] + extra)
+                                   "dataset.val_samples=2", "--set", f"training.dtype={dtype}"]
+                                  + extra)
         train.main(["--config", path])
         records = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
         losses[name] = [r.get("loss", r.get("val_loss")) for r in records]
+        assert not any(r.get("skipped") for r in records)
     assert len(losses["ref"]) == 6
     for a, b in zip(losses["fast"], losses["ref"]):
-        assert abs(a - b) < 1e-5 * b, (losses["fast"], losses["ref"])
+        assert abs(a - b) < tol * b, (losses["fast"], losses["ref"])

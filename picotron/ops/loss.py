@@ -7,15 +7,22 @@ at N = 16*2048 tokens and V = 49152 that is 3.2 GB per bf16 copy and 6.4 GB per 
 several passes of memory traffic over them. Here (N legend: B*T tokens, C hidden, V vocab):
 - "chunked" (plain PyTorch, any device): the tokens go through the head `rows` at a time;
   each chunk's fp32 logits give its loss AND its gradients right away (the loss is the last
-  op, so dloss/dlogits = (softmax - onehot(target)) / count is known in forward), and are
-  freed. Backward only scales the stored gradients of the hidden states (N, C) and of the
-  head weight (V, C, accumulated in fp32).
+  op, so each token's d loss_row / d logits = softmax - onehot(target) is known in forward),
+  and are freed. Backward only scales the stored gradients of the hidden states (N, C) and of
+  the head weight (V, C, accumulated in fp32) by grad_output / count.
 - "liger": the same scheme with liger-kernel's Triton cross-entropy kernel (fewer passes over
   each chunk); CUDA only.
 - "triton": the same scheme with our Triton kernel (picotron/ops/triton_loss.py), which never
   makes the host wait for the GPU (liger's reads the token count with .item()); CUDA only.
 Same arithmetic as the reference: bf16 matmul, fp32 softmax; tests/test_speed.py checks loss
 and gradients against it.
+
+Why the stored gradients are per token, divided by the token count only in backward: in
+fp16, (softmax - onehot) / count for 32k tokens is ~1e-9 for most logits, below fp16's
+smallest value (6e-8), so it would round to zero in forward, before backward brings the loss
+scale. Per token it stays in range, and backward multiplies by loss_scale / count in fp32
+(tests/test_speed.py: fp16 gradients as close as the unfused fp16 loss's). liger's loss
+divides in forward and takes no scale, so config_checks refuses it with fp16.
 """
 import torch
 
@@ -52,18 +59,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g = logits.sub_(lse[:, None]).exp_()                # softmax, in place
                 # minus one at each counted target (no .nonzero(): it would make the host wait)
                 g[torch.arange(len(t), device=g.device), t.clamp(min=0)] -= ok.float()
-                g = (g * (ok[:, None] / count)).to(hidden.dtype)    # (rows, V) bf16
+                g = (g * ok[:, None]).to(hidden.dtype)              # (rows, V) bf16
                 grad_hidden[start:start + rows] = g @ weight        # (rows, C)
                 grad_weight += (g.t() @ h).float()                  # (V, C)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
         return total / count
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_out.to(grad_hidden.dtype),
-                (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None)
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        factor = grad_out.float() / count                # d objective / d sum(loss_row)
+        return ((grad_hidden.float() * factor).to(grad_hidden.dtype),
+                (grad_weight * factor).to(ctx.weight_dtype), None, None, None)
 
 
 def chunked_linear_cross_entropy(hidden, weight, targets, rows: int = None):

@@ -14,12 +14,13 @@ Per chunk of `rows` tokens (N tokens in all, C hidden, V vocab):
     logits = h @ W^T          (rows, V) bf16, one buffer reused by every chunk
     kernel, one program per row, two passes over it:
         lse = logsumexp(fp32 logits); loss_row = lse - logit[target]     (0 if ignored)
-        logits <- (softmax - onehot(target)) / count, in place             (0 if ignored)
+        logits <- softmax - onehot(target), in place                       (0 if ignored)
     grad_hidden[chunk] = g @ W           (rows, C)
     grad_weight += g^T @ h               (V, C), fp32 (an fp32-output addmm on CUDA)
 The loss is the last op of the step, so d loss / d logits is known in forward; backward only
-scales the stored gradients by grad_output. Same arithmetic as liger and "chunked": bf16 logits
-from a bf16 matmul, fp32 softmax, bf16 logit gradients. Tests: tests/test_triton_loss.py (CPU
+multiplies the stored gradients by grad_output / count. Same arithmetic as liger and
+"chunked": bf16 logits from a bf16 matmul, fp32 softmax, bf16 logit gradients. The stored
+gradients are per token, not yet divided by the token count (loss.py says why: fp16). Tests: tests/test_triton_loss.py (CPU
 interpreter and GPU, against torch's cross_entropy) and tests/test_kernels_gpu.py.
 """
 import torch
@@ -30,7 +31,7 @@ from picotron.ops.loss import IGNORE_INDEX
 
 
 @triton.jit
-def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, count_ptr, stride, ignore_index,
+def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, ignore_index,
                         n_cols: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     # n_cols (the vocabulary) is a compile-time constant: one compilation per model
     row = tl.program_id(0).to(tl.int64)
@@ -52,8 +53,8 @@ def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, count_ptr, stride, ig
     lse = m + tl.log(s)
     tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
     if HAS_GRAD:
-        # Pass 2: d loss / d logits = (softmax - onehot(target)) / count, over the same row.
-        scale = tl.where(valid, 1.0 / tl.load(count_ptr), 0.0)
+        # Pass 2: d loss_row / d logits = softmax - onehot(target), over the same row.
+        scale = tl.where(valid, 1.0, 0.0)
         for start in range(0, n_cols, BLOCK):
             cols = start + offsets
             mask = cols < n_cols
@@ -68,13 +69,32 @@ def _block(n_cols: int) -> int:
     return min(32768, triton.next_power_of_2(n_cols))
 
 
-def cross_entropy_rows_(logits, targets, count, loss, with_grad: bool = True):
-    """logits (n, V), contiguous rows; targets (n,); count: fp32 0-dim device tensor.
-    Writes each row's loss into `loss` (n,) fp32; with_grad overwrites logits with
-    d loss_total / d logits, loss_total = sum(loss) / count."""
+def cross_entropy_rows_(logits, targets, loss, with_grad: bool = True):
+    """logits (n, V), contiguous rows; targets (n,). Writes each row's loss into `loss` (n,)
+    fp32; with_grad overwrites logits with d sum(loss) / d logits."""
     _cross_entropy_rows[(logits.shape[0],)](
-        logits, targets, loss, count, logits.stride(0), IGNORE_INDEX, n_cols=logits.shape[1],
+        logits, targets, loss, logits.stride(0), IGNORE_INDEX, n_cols=logits.shape[1],
         HAS_GRAD=with_grad, BLOCK=_block(logits.shape[1]), num_warps=32)
+
+
+@triton.jit
+def _scale(x_ptr, out_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    # out = x * factor, in fp32, one rounding to out's dtype; factor a device scalar
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (x * tl.load(factor_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scaled(x, factor):
+    """x * factor for a contiguous x and an fp32 0-dim device tensor, computed in fp32.
+    (torch's `x * factor` would round factor to x's dtype first: 1 / count in bf16 is off by
+    up to 2^-9, the same way for every gradient.)"""
+    out = torch.empty_like(x)
+    if x.numel():
+        _scale[(triton.cdiv(x.numel(), 4096),)](x, out, factor, x.numel(), BLOCK=4096,
+                                                num_warps=8)
+    return out
 
 
 def _accumulate(grad_weight, g_t, h):
@@ -100,21 +120,22 @@ class _TritonLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, N, rows):
             h = hidden[start:start + rows]
             logits = torch.mm(h, weight.t(), out=buffer[:h.shape[0]])      # (rows, V)
-            cross_entropy_rows_(logits, targets[start:start + rows], count,
+            cross_entropy_rows_(logits, targets[start:start + rows],
                                 losses[start:start + rows], need_grad)
-            if need_grad:                                    # logits now hold d loss / d logits
+            if need_grad:                    # logits now hold d sum(loss_row) / d logits
                 torch.mm(logits, weight, out=grad_hidden[start:start + rows])
                 _accumulate(grad_weight, logits.t(), h)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
         return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        factor = grad_out.float() / count                # d objective / d sum(loss_row)
         # not in place: a second backward (retain_graph=True) must find them unscaled
-        return (grad_hidden * grad_out.to(grad_hidden.dtype),
-                (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None)
+        return (scaled(grad_hidden, factor), (grad_weight * factor).to(ctx.weight_dtype),
+                None, None, None)
 
 
 def triton_linear_cross_entropy(hidden, weight, targets, rows: int):
