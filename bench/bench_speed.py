@@ -10,7 +10,7 @@ synthetic tokens (the same windows for every run), it times:
   both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "our-loss":
   training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
   training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
-  which with our kernels recomputes the SwiGLU output; a label ending in " chunk4096" sets
+  which with our kernels recomputes the SwiGLU output; a label ending in " chunk1024" sets
   training.loss_chunk_tokens). As train.py, a step's loss is read once the next step is
   queued (picotron.utils.StepValues); the "item" row reads it at once, as the HF loops do);
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
@@ -207,7 +207,7 @@ def maker(label, shape, mbs, seq, ckpt=None):
         from picotron.data_parallel import buckets
         buckets.gradient_dtype = lambda params, summed: torch.float32
     chunk = 0
-    if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk4096": loss_chunk_tokens
+    if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk1024": loss_chunk_tokens
         label, chunk = label.rpartition(" ")[0], int(label.rpartition(" chunk")[2])
     if label.startswith("ours"):
         o = OURS[label]

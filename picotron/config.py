@@ -97,9 +97,8 @@ class TrainingConfig:
     # at a time, plain PyTorch | liger: the same with liger-kernel | triton: the same with our
     # Triton kernel, no host sync (picotron/ops/loss.py, triton_loss.py)
     fused_loss: str = "none"
-    # tokens per chunk of the "chunked" and "triton" losses; 0: liger's rule, a chunk's logits
-    # about the size of the hidden states. Larger chunks: more memory, fewer passes over the
-    # (V, C) fp32 head-gradient accumulator
+    # tokens per chunk of the "chunked" and "triton" losses; 0: 4096 (loss.default_rows says
+    # why). Larger chunks: more memory, fewer passes over the fp32 head-gradient accumulator
     loss_chunk_tokens: int = 0
     # none | full | selective (picotron/ops/recompute.py; with kernels=triton, "selective"
     # recomputes the SwiGLU output in the MLP's backward, picotron/ops/triton_swiglu.py)

@@ -31,11 +31,21 @@ from picotron.config import MissingPackage
 IGNORE_INDEX = -100        # as torch's cross_entropy: targets equal to it add no loss
 
 
-def default_rows(n_tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk: keep a chunk's fp32 logits near the size of the hidden states,
-    (rows, V) ~ (N, C), rounded to a power of two (liger-kernel's rule)."""
-    rows = -(-n_tokens // -(-vocab // hidden))
-    return min(n_tokens, 1 << max(0, (rows - 1).bit_length()))
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def default_rows(n_tokens: int) -> int:
+    """Tokens per chunk (training.loss_chunk_tokens = 0): 4096, or all of them if fewer.
+
+    Each chunk adds its (V, C) head-weight gradient into the fp32 accumulator: 8*V*C bytes of
+    read-modify-write against 6*rows*V*C FLOPs of the chunk's three matmuls, so the
+    accumulator costs ~ (8 / 6) * (FLOP/s / bytes/s) / rows of the matmul time: at an H200's
+    ~175 FLOP per byte, 23% at 1024 rows, 6% at 4096, whatever V and C. Measured on an H200
+    (bench/NOTES.md, session 7), forward + backward at N = 32768, V = 49152: C = 960, 1024 ->
+    4096 rows 20.8 -> 17.8 ms; C = 2048, 2048 -> 4096 rows 36.7 -> 33.1 ms; 8192 rows was
+    slower on both. liger's rule (a chunk's logits ~ the hidden states' size: 1024 and 2048
+    rows there) spends less memory: a (4096, V) bf16 buffer is 400 MB at V = 49152."""
+    return min(n_tokens, DEFAULT_CHUNK_TOKENS)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -77,7 +87,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def chunked_linear_cross_entropy(hidden, weight, targets, rows: int = None):
     """Mean cross-entropy of (hidden @ weight^T) against targets, fp32 softmax.
     hidden (N, C), weight (V, C), targets (N,)."""
-    rows = rows or default_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    rows = rows or default_rows(hidden.shape[0])
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, rows, need_grad)
 
@@ -107,8 +117,7 @@ class LinearCrossEntropy:
         if self.impl == "liger":   # fp32 accumulation of the head's gradient, as "chunked"
             return self.liger(hidden, weight, targets, ignore_index=IGNORE_INDEX,
                               accum_dtype=torch.float32)
-        rows = self.chunk_tokens or default_rows(hidden.shape[0], hidden.shape[1],
-                                                 weight.shape[0])
+        rows = self.chunk_tokens or default_rows(hidden.shape[0])
         if self.impl == "triton":
             return self.triton(hidden, weight, targets, rows)
         return chunked_linear_cross_entropy(hidden, weight, targets, rows)
