@@ -7,8 +7,8 @@ tokens with `.item()` before its kernel (an int argument) and compares grad_outp
 (`torch.equal`) in backward, i.e. two host syncs per step. Each one drains the queue of
 launched kernels; the GPU then idles while the host launches the next ones (session 5's
 profile at 360M: a 1.1 ms gap and a run of 0.2-0.3 ms gaps per step, all around the loss).
-Here the token count is a device scalar that the kernel reads, and backward always multiplies
-by grad_output, itself a device scalar.
+Here the token count stays a device scalar, and backward always multiplies by
+grad_output / count, computed on the device.
 
 Per chunk of `rows` tokens (N tokens in all, C hidden, V vocab):
     logits = h @ W^T          (rows, V) bf16, one buffer reused by every chunk
@@ -18,10 +18,11 @@ Per chunk of `rows` tokens (N tokens in all, C hidden, V vocab):
     grad_hidden[chunk] = g @ W           (rows, C)
     grad_weight += g^T @ h               (V, C), fp32 (an fp32-output addmm on CUDA)
 The loss is the last op of the step, so d loss / d logits is known in forward; backward only
-multiplies the stored gradients by grad_output / count. Same arithmetic as liger and
-"chunked": bf16 logits from a bf16 matmul, fp32 softmax, bf16 logit gradients. The stored
-gradients are per token, not yet divided by the token count (loss.py says why: fp16). Tests: tests/test_triton_loss.py (CPU
-interpreter and GPU, against torch's cross_entropy) and tests/test_kernels_gpu.py.
+multiplies the stored gradients by grad_output / count, in fp32 (they are per token, not yet
+divided by the token count: loss.py says why, fp16). Same arithmetic as liger and "chunked":
+bf16 logits from a bf16 matmul, fp32 softmax, bf16 logit gradients. Tests:
+tests/test_triton_loss.py (CPU interpreter and GPU, against torch's cross_entropy),
+tests/test_speed.py (fp16) and tests/test_kernels_gpu.py.
 """
 import torch
 import triton

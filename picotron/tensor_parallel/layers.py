@@ -76,7 +76,7 @@ class RowParallelLinear(nn.Module):
                                      (slice(None), slice(start, stop)))
 
     def forward(self, x):
-        return self.reduce(F.linear(x, self.weight))             # (B, T, O), partial sums
+        return self.reduce(F.linear(x, self.weight))   # g on the (B, T, O) partial product
 
     def reduce(self, partial):
         """g on this rank's partial product (B, T, O); a fused op that computes the product
