@@ -13,11 +13,10 @@ Parallelism never appears here. It reaches the model only through its structure:
   replaces with ring attention.
 
 Fast paths (`model.kernels`): the norms (alone, or with the residual add before them), the
-q/k/v projection with RoPE and the SwiGLU input projection call their op through
-`self.kernels`, a namespace of functions. The readable PyTorch
-versions below are the reference and the default; picotron/ops/liger.py ("liger") and
-picotron/ops/fused.py ("triton": fused projections, our Triton kernels) hold the same functions,
-and tests compare each with the reference.
+q/k/v projection with RoPE and the MLP call their op through `self.kernels`, a namespace of
+functions. The readable PyTorch versions below are the reference and the default;
+picotron/ops/liger.py ("liger") and picotron/ops/fused.py ("triton": fused projections, our
+Triton kernels) hold the same functions, and tests compare each with the reference.
 """
 import types
 import zlib
@@ -63,14 +62,6 @@ def swiglu_in(x, mlp):
     return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
 
 
-def swiglu_mlp(swiglu_in_fn):
-    """The MLP from its SwiGLU input op: down(swiglu_in(x)). A fast path may instead fuse the
-    down projection with the SwiGLU (picotron/ops/triton_swiglu.py, swiglu_linear)."""
-    def mlp(x, mlp_module):
-        return mlp_module.down_proj(swiglu_in_fn(x, mlp_module))
-    return mlp
-
-
 def with_residual(norm_fn):
     """The residual form of a norm: (x, delta, w, eps) -> (h, norm(h)) with h = x + delta, the
     add that ends a layer's attention half and the norm that starts its MLP half."""
@@ -83,13 +74,13 @@ def with_residual(norm_fn):
 TORCH_KERNELS = types.SimpleNamespace(
     rms_norm=rms_norm, layer_norm=layer_norm, add_rms_norm=with_residual(rms_norm),
     add_layer_norm=with_residual(layer_norm), qkv_rope=qkv_rope, swiglu_in=swiglu_in,
-    mlp=swiglu_mlp(swiglu_in))
+    mlp=lambda x, mlp: mlp.down_proj(swiglu_in(x, mlp)))
 
 
 def resolve_kernels(name: str, recompute_swiglu: bool = False):
     """The op namespace for `model.kernels`: "torch" (the reference above), "liger" or
-    "triton"; the fast ones import their packages only when asked. recompute_swiglu
-    ("triton" only): the MLP recomputes its SwiGLU output in backward instead of keeping it."""
+    "triton" (recompute_swiglu: its MLP recomputes the SwiGLU output in backward); the fast
+    ones import their packages only when asked."""
     if name == "torch":
         return TORCH_KERNELS
     from picotron.ops import fused, liger
@@ -207,12 +198,11 @@ class Decoder(nn.Module):
     `checkpointing` (training.activation_checkpointing) is what each layer keeps for backward:
     "none" everything; "full" only its input, the layer is recomputed in backward;
     "selective" the outputs of its matmuls and attention, the cheap ops are recomputed
-    (picotron/ops/recompute.py)."""
+    (picotron/ops/recompute.py); with our Triton kernels that is done inside the MLP, not by
+    torch's checkpoint (the SwiGLU output, picotron/ops/triton_swiglu.py)."""
 
     def __init__(self, cfg, attention_fn=sdpa_attention, checkpointing: str = "none"):
         super().__init__()
-        # "selective" with our Triton kernels is done inside the MLP (its SwiGLU output is
-        # recomputed in backward, picotron/ops/triton_swiglu.py), not by torch's checkpoint
         ours = checkpointing == "selective" and cfg.kernels == "triton"
         self.cfg, self.checkpointing = cfg, "none" if ours else checkpointing
         kernels = resolve_kernels(cfg.kernels, recompute_swiglu=ours)

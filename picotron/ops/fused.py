@@ -20,7 +20,6 @@ forward and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1
 import types
 
 from picotron.config import MissingPackage
-from picotron.model import swiglu_mlp
 from picotron.ops.fused_linear import fused_linear
 
 
@@ -57,4 +56,4 @@ def triton_kernels(recompute_swiglu: bool = False):
                                  add_rms_norm=add_rms_norm, add_layer_norm=add_layer_norm,
                                  qkv_rope=qkv_rope, swiglu_in=swiglu_in,
                                  mlp=mlp_recomputing_swiglu if recompute_swiglu
-                                 else swiglu_mlp(swiglu_in))
+                                 else lambda x, mlp: mlp.down_proj(swiglu_in(x, mlp)))

@@ -15,7 +15,7 @@ LayerNorm (PaLM-style option) stays on F.layer_norm, already one fused kernel.
 import types
 
 from picotron.config import MissingPackage
-from picotron.model import layer_norm, project_qkv, swiglu_mlp, with_residual
+from picotron.model import layer_norm, project_qkv, with_residual
 
 
 def liger_kernels():
@@ -43,4 +43,5 @@ def liger_kernels():
     return types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm,
                                  add_rms_norm=with_residual(rms_norm),
                                  add_layer_norm=with_residual(layer_norm), qkv_rope=qkv_rope,
-                                 swiglu_in=swiglu_in, mlp=swiglu_mlp(swiglu_in))
+                                 swiglu_in=swiglu_in,
+                                 mlp=lambda x, mlp: mlp.down_proj(swiglu_in(x, mlp)))
