@@ -17,7 +17,7 @@ Tolerances (relative L2 error over the whole tensor):
 import pytest
 import torch
 
-from picotron.ops.fused_linear import fused_linear, fused_linear_reference
+from picotron.ops.fused_linear import fused_linear, fused_linear_reference, stacked
 from picotron.ops.recompute import checkpointed
 from picotron.ops.triton_swiglu import (swiglu_linear, swiglu_linear_reference, swiglu_packed,
                                         swiglu_packed_reference)
@@ -102,6 +102,29 @@ def test_fused_linear_needs_input_grad():
     x.requires_grad_()                                          # and x alone
     fused_linear(x, [w.detach() for w in ws]).backward(dy)
     torch.testing.assert_close(x.grad, dy @ torch.cat([w.detach() for w in ws]))
+
+
+def test_stacked_takes_adjacent_weights_in_place():
+    """Weights back to back in one buffer, in order (as GradBuckets lays out q/k/v): one view,
+    no copy, and fused_linear's output and gradients bitwise those of concatenated copies.
+    Another order, a gap or another buffer: a copy, the same values."""
+    torch.manual_seed(0)
+    flat = torch.randn(60 * 36, device=SMALL)
+    ws = [flat[:1296].view(36, 36), flat[1296:1728].view(12, 36), flat[1728:].view(12, 36)]
+    w = stacked(ws)
+    assert w.data_ptr() == ws[0].data_ptr() and torch.equal(w, torch.cat(ws))
+    for other in (ws[::-1], [ws[0], ws[2]], [ws[0], ws[1].clone(), ws[2]]):
+        w = stacked(other)
+        assert w.data_ptr() != other[0].data_ptr() and torch.equal(w, torch.cat(other))
+    params = [torch.nn.Parameter(torch.empty(0, device=SMALL)) for _ in ws]
+    for p, w in zip(params, ws):
+        p.data = w                                   # as GradBuckets sets them
+    x, dy = torch.randn(2, 5, 36, device=SMALL), torch.randn(2, 5, 60, device=SMALL)
+    got = run(lambda x, *w: fused_linear(x, params), [x], dy)
+    got += [p.grad for p in params]
+    want = run(lambda x, *w: fused_linear(x, w), [x] + [w.clone() for w in ws], dy)
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
 
 
 def test_fused_linear_saves_x_and_weights_only():

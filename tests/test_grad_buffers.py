@@ -50,3 +50,28 @@ def test_bf16_buffers_when_nothing_is_summed_train_like_fp32(tmp_path, monkeypat
 def test_fp32_buffers_when_micro_batches_are_summed(tmp_path):
     dtypes, _, _ = run(tmp_path, "acc", ["--grad_acc_steps", "2"])
     assert dtypes == {torch.float32}
+
+
+def test_buckets_lay_fused_projection_weights_back_to_back(tmp_path):
+    """GradBuckets keeps each module's parameters in definition order (buckets.gradient_order),
+    so the fused projections find q, k, v and gate, up adjacent and use them in place."""
+    from picotron.data_parallel import GradBuckets
+    from picotron.ops.fused_linear import stacked
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "layout", *TINY])
+    config, pgm, device = train.setup(path)
+    model = train.build_model(config, pgm, device)
+    grads = GradBuckets(model, pgm, config)
+    for layer in model.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        for ws in ([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                   [mlp.gate_proj.weight, mlp.up_proj.weight]):
+            assert stacked(ws).data_ptr() == ws[0].data_ptr()
+    # still roughly backward's order: modules last to first
+    order = [id(p) for p in buckets.gradient_order(model)]
+    last, first = model.layers["1"], model.layers["0"]
+    assert order[0] == id(model.norm.weight) and order[-1] == id(model.embed_tokens.weight)
+    rank = {name: order.index(id(p)) for name, p in (
+        ("last mlp", last.mlp.gate_proj.weight), ("last attn", last.self_attn.q_proj.weight),
+        ("first mlp", first.mlp.down_proj.weight))}
+    assert rank["last mlp"] < rank["last attn"] < rank["first mlp"], rank
+    assert sum(len(b.members) for b in grads.buckets) == len(order)

@@ -1,8 +1,9 @@
 """Gradient buckets: flat gradient buffers whose reduction starts during backward.
 
-Parameters are grouped into buckets of about `bucket_size_mb` (in reverse order of
+Parameters are grouped into buckets of about `bucket_size_mb` (modules in reverse order of
 definition, which is roughly the order backward produces their gradients: head first,
-embedding last). Each bucket owns two flat buffers, and every parameter is a view into them:
+embedding last; see `gradient_order`). Each bucket owns two flat buffers, and every parameter
+is a view into them:
 
     bucket.params  (numel,) in the parameter dtype    p.data      = params[offset : offset + n]
     bucket.grads   (numel,) fp32 (see below)          p.main_grad = grads[offset : offset + n]
@@ -77,6 +78,23 @@ class Bucket:
         return self.grads
 
 
+def gradient_order(model):
+    """The trainable parameters, modules last to first (roughly backward's order), each
+    module's own parameters kept in definition order: q, k, v (and gate, up) then lie back to
+    back in a bucket, in that order, and the fused projections use them in place instead of
+    concatenating them every step (picotron/ops/fused_linear.py, `stacked`)."""
+    runs = []                       # (parent module name, its consecutive parameters)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        parent = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+        if runs and runs[-1][0] == parent:
+            runs[-1][1].append(p)
+        else:
+            runs.append((parent, [p]))
+    return [p for _, run in reversed(runs) for p in run]
+
+
 def bucket_key(p):
     return (p.dim() >= 2, hasattr(p, "local_slice"), getattr(p, "grad_norm_skip", False),
             getattr(p, "grad_sum_group", None))
@@ -100,7 +118,7 @@ class GradBuckets:
         self._check_replicas_identical(params)
         limit = d.bucket_size_mb * 2 ** 20 / 4                 # fp32 gradient elements
         groups, current = [], {}
-        for p in reversed(params):                             # gradient order, roughly
+        for p in gradient_order(model):
             key = bucket_key(p)
             current.setdefault(key, []).append(p)
             if sum(q.numel() for q in current[key]) >= limit:
