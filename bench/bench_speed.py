@@ -11,7 +11,8 @@ synthetic tokens (the same windows for every run), it times:
   training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
   training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
   which with our kernels recomputes the SwiGLU output; a label ending in " chunk1024" sets
-  training.loss_chunk_tokens). As train.py, a step's loss is read once the next step is
+  training.loss_chunk_tokens, one ending in " cat" concatenates the fused projections'
+  weights every step instead of using them in place). As train.py, a step's loss is read once the next step is
   queued (picotron.utils.StepValues); the "item" row reads it at once, as the HF loops do);
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
@@ -206,6 +207,10 @@ def maker(label, shape, mbs, seq, ckpt=None):
     if label.endswith("fp32-grads"):      # fp32 gradient buffers even when nothing is summed
         from picotron.data_parallel import buckets
         buckets.gradient_dtype = lambda params, summed: torch.float32
+    if label.endswith(" cat"):            # fused weights concatenated each step, as before
+        from picotron.ops import fused_linear
+        fused_linear.stacked = lambda weights: torch.cat(weights, dim=0)
+        label = label[:-len(" cat")]
     chunk = 0
     if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk1024": loss_chunk_tokens
         label, chunk = label.rpartition(" ")[0], int(label.rpartition(" chunk")[2])
