@@ -10,13 +10,13 @@
                            checkpointing "selective") the SwiGLU and the down projection are
                            one op that keeps gu, not the SwiGLU output (swiglu_linear)
 
-The projections stay separate named parameters (checkpoints and tensor-parallel shards are
-laid out by them); their weights are concatenated at run time, a copy of a few MB per layer
-against 30-70 MB activations, or, once GradBuckets has laid them back to back in its buffer,
-a view of it (fused_linear.stacked). Under tensor parallelism each rank concatenates its own column
-shards, which are exactly its heads' q, k, v rows and its slice of gate and up. Why fuse
-(H200, 16 x 2048 tokens, bench/profile_step.py --gemm): at 360M's widths the q, k, v products
-forward and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1.39 -> 1.29 ms.
+The projections stay separate named parameters (checkpoints and tensor-parallel shards are laid
+out by them); their weights are concatenated at run time, a copy of a few MB per layer against
+30-70 MB activations, or, once GradBuckets has laid them back to back in its buffer, a view of
+it (fused_linear.stacked). Under tensor parallelism each rank concatenates its own column
+shards, which are exactly its heads' q, k, v rows and its slice of gate and up. Why fuse (H200,
+16 x 2048 tokens, bench/profile_step.py --gemm): at 360M's widths the q, k, v products forward
+and backward take 0.67 ms as three matmuls and 0.44 ms as one; gate/up 1.39 -> 1.29 ms.
 """
 import types
 

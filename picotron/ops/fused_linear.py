@@ -44,7 +44,7 @@ def stacked(weights):
 class FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *weights):
-        w = stacked(weights)                            # (O, C), freed when forward returns
+        w = stacked(weights)                    # (O, C): a view, or a copy freed on return
         ctx.save_for_backward(x, *weights)              # x and the weights, never w
         ctx.out_sizes = [wi.shape[0] for wi in weights]
         # F.linear folds the leading dims into one GEMM and returns a fresh (..., O) tensor
