@@ -21,7 +21,8 @@ synthetic tokens (the same windows for every run), it times:
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
-max_memory_allocated. With --largest_batch LABELS it then searches those rows' largest
+max_memory_allocated, and the SM clock and power are nvidia-smi's medians over the timed steps
+(bench/gpu_clock.py: the GPU slows down at its power limit). With --largest_batch LABELS it then searches those rows' largest
 micro-batch, with and without full checkpointing (bench/largest_batch.py, which also runs
 alone). The table goes to stdout and DIR/bench_speed.txt.
 """
@@ -50,6 +51,7 @@ from picotron.presets import resolve_model  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 from picotron.tensor_parallel import loss_function  # noqa: E402
 from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
+from gpu_clock import ClockSampler  # noqa: E402
 
 PEAK = 989.5e12
 # label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
@@ -160,17 +162,19 @@ def hf_runner(shape, mbs, seq, liger, ckpt):
 
 
 def measure(make, warmup, steps, mbs, seq):
-    """(tokens/s median, peak GB, last loss), or a string naming the error."""
+    """(tokens/s median, peak GB, last loss, SM clock and power over the timed steps), or a
+    string naming the error."""
     torch.cuda.reset_peak_memory_stats()
     try:
         step, _ = make()
-        times = []
+        times, clock = [], ClockSampler()
         for i in range(warmup + steps):
+            clock = clock.start() if i == warmup else clock
             start = time.perf_counter()
             loss = step(i)                      # .item() waits for the device
             times.append(time.perf_counter() - start)
         result = (mbs * seq / statistics.median(times[warmup:]),
-                  torch.cuda.max_memory_allocated() / 2 ** 30, loss)
+                  torch.cuda.max_memory_allocated() / 2 ** 30, loss, clock.stop())
     except torch.OutOfMemoryError:
         result = "OOM"
     except Exception as e:      # one broken row must not end the call
@@ -273,7 +277,8 @@ def main():
                     continue
                 runs[label].append(r)
                 emit(f"{label:38s} {r[0]:>9,.0f} tok/s  MFU {100 * r[0] * fpt / PEAK:5.1f}%  "
-                     f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  ({time.perf_counter() - t0:.0f} s)")
+                     f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  {r[3]}  "
+                     f"({time.perf_counter() - t0:.0f} s)")
         ref = runs.get("hf+liger")
         for label, rs in runs.items():
             if not (ref and rs and len(rs) == len(ref)):

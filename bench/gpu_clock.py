@@ -1,0 +1,46 @@
+"""The GPU's SM clock and power draw while a benchmark row runs, from `nvidia-smi` sampling in
+the background.
+
+Why: an H200 at its 700 W limit lowers its clock, and every kernel slows with it. During
+SmolLM-1.7B training steps it ran at 1.53-1.76 GHz instead of 1.98 (bench/NOTES.md, session 7,
+call 8), so its GEMMs took ~12% longer inside a step than alone. A row's clock says whether
+two rows ran under the same conditions.
+"""
+import os
+import statistics
+import subprocess
+
+
+class ClockSampler:
+    """start() ... stop() -> "SM <MHz> MHz <W> W" (medians of the samples), or "" when
+    nvidia-smi is missing or says nothing usable."""
+
+    def __init__(self, interval_ms: int = 250):
+        self.interval_ms, self.proc = interval_ms, None
+
+    def start(self):
+        # the first visible GPU: this process's device 0
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def stop(self) -> str:
+        if self.proc is None:
+            return ""
+        self.proc.terminate()
+        try:
+            out = self.proc.communicate(timeout=5)[0]
+            samples = [[float(v) for v in line.split(",")] for line in out.splitlines()
+                       if line.count(",") == 1]
+        except (subprocess.TimeoutExpired, ValueError):
+            return ""
+        if not samples:
+            return ""
+        mhz, watts = (statistics.median(column) for column in zip(*samples))
+        return f"SM {mhz:.0f} MHz {watts:.0f} W"
