@@ -11,9 +11,9 @@ synthetic tokens (the same windows for every run), it times:
   training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
   training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
   which with our kernels recomputes the SwiGLU output; a label ending in " chunk1024" sets
-  training.loss_chunk_tokens, one ending in " cat" concatenates the fused projections'
-  weights every step instead of using them in place). As train.py, a step's loss is read once the next step is
-  queued (picotron.utils.StepValues); the "item" row reads it at once, as the HF loops do);
+  training.loss_chunk_tokens, one in " cat" concatenates the fused projections' weights each
+  step instead of using them in place). As in train.py, a step's loss is read once the next
+  step is queued (picotron.utils.StepValues); the "item" row reads it at once, as HF does;
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
@@ -21,10 +21,10 @@ synthetic tokens (the same windows for every run), it times:
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
-max_memory_allocated, and the SM clock and power are nvidia-smi's medians over the timed steps
-(bench/gpu_clock.py: the GPU slows down at its power limit). With --largest_batch LABELS it then searches those rows' largest
-micro-batch, with and without full checkpointing (bench/largest_batch.py, which also runs
-alone). The table goes to stdout and DIR/bench_speed.txt.
+max_memory_allocated, the SM clock and power nvidia-smi's medians over the timed steps
+(bench/gpu_clock.py: the GPU slows down at its power limit). --largest_batch LABELS then
+searches those rows' largest micro-batch, with and without full checkpointing
+(bench/largest_batch.py, which also runs alone). Output: stdout and DIR/bench_speed.txt.
 """
 import argparse
 import gc

@@ -4,9 +4,9 @@ On CPU the Triton kernels run in Triton's interpreter (tests/conftest.py), so CI
 wiring (fused q/k/v and gate/up projections, packed RoPE and SwiGLU, the norms) end to end on
 Llama and on the PaLM-style options (LayerNorm, parallel residual, multi-query attention),
 with head dims that are not powers of two, and each activation checkpointing mode ("selective"
-is the MLP's SwiGLU output recomputed inside swiglu_linear). fp32 throughout: the same math in another order,
-so the loss and every gradient agree to 1e-5 relative. tests/test_kernels_gpu.py runs the
-bf16 version of this at 360M's widths on a GPU.
+is the MLP's SwiGLU output recomputed inside swiglu_linear). fp32 throughout: the same math in
+another order, so the loss and every gradient agree to 1e-5 relative.
+tests/test_kernels_gpu.py runs the bf16 version of this at 360M's widths on a GPU.
 """
 import pytest
 import torch
