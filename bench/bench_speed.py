@@ -17,7 +17,9 @@ synthetic tokens (the same windows for every run), it times:
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
-  linear cross-entropy).
+  linear cross-entropy);
+- floor: a step of the shape's matmuls and attention alone (bench/matmul_floor.py), the
+  tokens/s no work outside cuBLAS and cuDNN can beat.
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
@@ -52,6 +54,7 @@ from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 from picotron.tensor_parallel import loss_function  # noqa: E402
 from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
 from gpu_clock import ClockSampler  # noqa: E402
+from matmul_floor import floor_runner  # noqa: E402
 
 PEAK = 989.5e12
 # label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
@@ -63,13 +66,10 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton our-loss": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss item": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss fp32-master": (True, "triton", "triton", False, "none", "sdpa"),
-        "ours triton our-loss fp32-grads": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss graphs": (False, "triton", "triton", False, "none", "sdpa"),
-        "ours triton our-loss selective": (False, "triton", "triton", False, "selective",
-                                           "sdpa"),
+        "ours triton our-loss selective": (False, "triton", "triton", False, "selective", "sdpa"),
         "ours triton our-loss selective fp32-master": (True, "triton", "triton", False,
                                                        "selective", "sdpa"),
-        "ours triton no-prefetch": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
         "ours triton compile": (False, "triton", "liger", True, "none", "sdpa"),
         "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
@@ -206,11 +206,6 @@ def run_one(args, label, shape, mbs):
 def maker(label, shape, mbs, seq, ckpt=None):
     """A function that builds the row's step function (in this process, on the GPU).
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
-    if label.endswith("no-prefetch"):     # each step's batches cut at its start, as before
-        StepBatches.prefetch = lambda self, step: None
-    if label.endswith("fp32-grads"):      # fp32 gradient buffers even when nothing is summed
-        from picotron.data_parallel import buckets
-        buckets.gradient_dtype = lambda params, summed: torch.float32
     if label.endswith(" cat"):            # fused weights concatenated each step, as before
         from picotron.ops import fused_linear
         fused_linear.stacked = lambda weights: torch.cat(weights, dim=0)
@@ -218,6 +213,8 @@ def maker(label, shape, mbs, seq, ckpt=None):
     chunk = 0
     if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk1024": loss_chunk_tokens
         label, chunk = label.rpartition(" ")[0], int(label.rpartition(" chunk")[2])
+    if label == "floor":
+        return lambda: floor_runner(config_from_dict(base_config(shape, mbs, seq)).model, mbs, seq)
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],

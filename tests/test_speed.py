@@ -213,3 +213,30 @@ def test_train_with_fast_paths_matches_reference(tmp_path, dtype, tol):
     assert len(losses["ref"]) == 6
     for a, b in zip(losses["fast"], losses["ref"]):
         assert abs(a - b) < tol * b, (losses["fast"], losses["ref"])
+
+
+def test_matmul_floor_runs_the_matmuls_of_a_step_and_nothing_else(monkeypatch):
+    """bench_speed's "floor" row (bench/matmul_floor.py) claims to be a training step's
+    matmuls and attention alone. For a tied model its matmul FLOPs must be exactly the 6N of
+    the MFU formula less the norms' weights (forward, input and weight gradient of every
+    projection and of the head), with SDPA run forward and backward once per layer; the
+    loss's 4096-token chunking is exercised by 3 uneven chunks (7 + 7 + 6 rows)."""
+    import os
+    import sys
+    from torch.utils.flop_counter import FlopCounterMode
+    from picotron.utils import count_params
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import matmul_floor
+    cfg = ModelConfig(**TINY, tie_word_embeddings=True)
+    calls = []
+    sdpa = matmul_floor.F.scaled_dot_product_attention
+    monkeypatch.setattr(matmul_floor.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(a[0].shape) or sdpa(*a, **k))
+    step, _ = matmul_floor.floor_runner(cfg, 2, 10, device="cpu", chunk=7)
+    with FlopCounterMode(display=False) as counter:
+        step(0)
+    matmuls = sum(v for op, v in counter.get_flop_counts()["Global"].items()
+                  if str(op) in ("aten.mm", "aten.addmm"))
+    norms = cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size
+    assert matmuls == 6 * (count_params(cfg) - norms) * 2 * 10
+    assert calls == [(2, 6, 10, 6)] * cfg.num_hidden_layers          # (B, H, T, D) each layer

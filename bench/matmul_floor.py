@@ -1,0 +1,83 @@
+"""The "floor" row of bench/bench_speed.py: a training step of a shape that runs only its
+matmuls and its attention, nothing else.
+
+Why: on the H200 the GEMMs (cuBLAS) and causal attention (cuDNN, through SDPA) are ~89% of
+a SmolLM-1.7B step, and Hugging Face + Liger runs the very same kernels. The tokens/s of a
+step made of them alone is what no kernel work on norms, RoPE, SwiGLU, the loss or the
+optimizer can beat; bench_speed prints it as a ratio to HF + Liger in the same call, under
+the same power limit (bench/gpu_clock.py).
+
+What one step queues, for micro-batch B, sequence T (N = B*T tokens), hidden C, MLP width F,
+H query / K key-value heads of dim D, vocabulary V, L layers; shapes as train.py's path with
+model.kernels=triton has them (fused q/k/v and gate/up projections, tied embedding head):
+- per layer, forward: x (N, C) @ W_qkv^T (C+2KD, C); SDPA causal on q (B, H, T, D) and
+  k, v (B, K, T, D), views of (B, T, heads, D) rows as our RoPE kernel writes them;
+  (N, C) @ W_o^T; (N, C) @ W_gu^T (2F, C); (N, F) @ W_down^T (C, F);
+- the head in 4096-token chunks (training.loss_chunk_tokens' default): logits (n, V) =
+  x @ E^T, then d x = d logits @ E and d E += d logits^T @ x into an fp32 (V, C) sum;
+- per layer, backward, last to first: each projection's input gradient (dy @ W) and weight
+  gradient (dy^T @ x), and SDPA's backward.
+One set of weights and activations serves every layer (each operand is larger than the
+50 MB L2, so each GEMM streams from memory as in the model). No optimizer, no norms, no
+elementwise work: those are what the floor leaves out.
+"""
+import torch
+import torch.nn.functional as F
+
+from picotron.ops.triton_loss import _accumulate as accumulate
+
+
+def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
+    """(step function, None), as bench_speed's runners: step(i) queues one floor step and
+    returns a float once the device is done."""
+    C, L = model_cfg.hidden_size, model_cfg.num_hidden_layers
+    H, K = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
+    D, Fw, V, N = C // H, model_cfg.intermediate_size, model_cfg.vocab_size, mbs * seq
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+
+    def rand(*shape):
+        return torch.randn(*shape, **bf16) * 0.02
+    w_qkv, w_o, w_gu, w_down = rand(C + 2 * K * D, C), rand(C, C), rand(2 * Fw, C), rand(C, Fw)
+    embedding = rand(V, C)
+    x, h = rand(N, C), rand(N, Fw)
+    # gradients that the model's elementwise kernels would write (SwiGLU's backward: d gu;
+    # RoPE's backward: the packed d qkv), given once: the floor times no elementwise kernel
+    dgu, dqkv = rand(N, 2 * Fw), rand(N, C + 2 * K * D)
+    grad_embedding = torch.zeros(V, C, device=device, dtype=torch.float32)
+
+    def attention_forward():
+        qkv = x @ w_qkv.t()                                          # (N, C + 2KD)
+        q, k, v = (t.view(mbs, seq, -1, D).transpose(1, 2).detach().requires_grad_()
+                   for t in qkv.split([C, K * D, K * D], dim=1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)
+        return (q, k, v), out                                        # out (B, H, T, D)
+
+    def step(i):
+        saved = []
+        for _ in range(L):                                           # forward
+            qkv, out = attention_forward()
+            attended = out.detach().transpose(1, 2).reshape(N, C)
+            saved.append((qkv, out))
+            attended @ w_o.t()
+            x @ w_gu.t()
+            h @ w_down.t()
+        dx = torch.empty(N, C, **bf16)
+        for start in range(0, N, chunk):                             # the tied head
+            xs = x[start:start + chunk]
+            logits = xs @ embedding.t()                              # (n, V); d logits reuses it
+            torch.mm(logits, embedding, out=dx[start:start + chunk])
+            accumulate(grad_embedding, logits.t(), xs)               # fp32 (V, C) += bf16 GEMM
+        dy = dx
+        for qkv, out in reversed(saved):                             # backward
+            dy @ w_down                                              # d h (N, F)
+            dy.t() @ h                                               # d W_down (C, F)
+            dgu @ w_gu                                               # d x (N, C)
+            dgu.t() @ x                                              # d W_gu (2F, C)
+            dy @ w_o                                                 # d attended (N, C)
+            dy.t() @ x                                               # d W_o (C, C)
+            grad_out = dy.view(mbs, seq, H, D).transpose(1, 2)       # (B, H, T, D)
+            torch.autograd.grad(out, qkv, grad_out)                  # d q, d k, d v
+            dy = dqkv @ w_qkv                                        # d x (N, C)
+            dqkv.t() @ x                                             # d W_qkv
+        return float(dy[0, 0])                                       # waits for the device
+    return step, None
