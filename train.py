@@ -70,7 +70,8 @@ def build_model(config, pgm, device):
     dtype = getattr(torch, config.training.dtype)
     attention_fn = resolve_attention(config.model.attn_implementation, device.type)
     with torch.device("meta"):
-        model = Decoder(config.model, attention_fn, config.training.activation_checkpointing)
+        model = Decoder(config.model, attention_fn, config.training.activation_checkpointing,
+                        config.training.activation_checkpointing_layers)
     # Parallelism is applied to the skeleton here, one `apply_<axis>(model, pgm, config)` per
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),

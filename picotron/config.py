@@ -103,6 +103,10 @@ class TrainingConfig:
     # none | full | selective (picotron/ops/recompute.py; with kernels=triton, "selective"
     # recomputes the SwiGLU output in the MLP's backward, picotron/ops/triton_swiglu.py)
     activation_checkpointing: str = "none"
+    # the layers that use it: the model's first N (layers 0..N-1, on whichever pipeline stage
+    # holds them); null: all. The others keep every activation, so N trades memory for the
+    # recomputation of N layers (Megatron's recompute_num_layers, counted over the model)
+    activation_checkpointing_layers: Optional[int] = None
     compile: bool = False              # torch.compile each decoder layer
     cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
 

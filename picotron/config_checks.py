@@ -92,6 +92,14 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     gpu_only = [f"{k}='{v}'" for k, v in (("model.kernels", m.kernels),
                                            ("training.fused_loss", t.fused_loss))
                 if v in ("liger", "triton")]
+    n = t.activation_checkpointing_layers
+    if n is not None and not 0 <= n <= m.num_hidden_layers:
+        errors.append(f"training.activation_checkpointing_layers={n} must be between 0 and "
+                      f"model.num_hidden_layers={m.num_hidden_layers}, or null for all layers")
+    elif n is not None and t.activation_checkpointing == "none":
+        errors.append(f"training.activation_checkpointing_layers={n} picks the layers that "
+                      f"use training.activation_checkpointing, which is 'none'; set it to "
+                      f"'full' or 'selective', or drop activation_checkpointing_layers")
     if m.kernels == "liger" and t.activation_checkpointing == "selective":
         errors.append("training.activation_checkpointing='selective' keeps the matmul outputs "
                       "by op name, and model.kernels='liger' runs its own autograd functions "

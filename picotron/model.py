@@ -14,9 +14,9 @@ Parallelism never appears here. It reaches the model only through its structure:
 
 Fast paths (`model.kernels`): the norms (alone, or with the residual add before them), the
 q/k/v projection with RoPE and the MLP call their op through `self.kernels`, a namespace of
-functions. The readable PyTorch versions below are the reference and the default;
-picotron/ops/liger.py ("liger") and picotron/ops/fused.py ("triton": fused projections, our
-Triton kernels) hold the same functions, and tests compare each with the reference.
+functions. The readable PyTorch versions below are the reference and the default; ops/liger.py
+("liger") and ops/fused.py ("triton": fused projections, our Triton kernels) hold the same
+functions, tested against the reference.
 """
 import types
 import zlib
@@ -31,10 +31,8 @@ from picotron.ops.recompute import checkpointed
 
 def rms_norm(x, weight, eps: float):
     """x / rms(x) * w, computed in fp32 (as Llama and Hugging Face do), cast back."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
 
 
 def layer_norm(x, weight, eps: float):
@@ -195,20 +193,26 @@ class Decoder(nn.Module):
     and out. `head=False` stops after the final norm: the loss then applies the head itself
     (picotron/ops/loss.py), so the (B, T, V) logits never exist at once.
 
-    `checkpointing` (training.activation_checkpointing) is what each layer keeps for backward:
-    "none" everything; "full" only its input, the layer is recomputed in backward;
-    "selective" the outputs of its matmuls and attention, the cheap ops are recomputed
-    (picotron/ops/recompute.py); with our Triton kernels that is done inside the MLP, not by
-    torch's checkpoint (the SwiGLU output, picotron/ops/triton_swiglu.py)."""
+    `checkpointing` (training.activation_checkpointing) is what each of the model's first
+    `checkpointed_layers` layers (all by default) keeps for backward, the others keeping
+    everything: "none" everything; "full" only its input, the layer is recomputed in
+    backward; "selective" the outputs of its matmuls and attention, the cheap ops are
+    recomputed (picotron/ops/recompute.py); with our Triton kernels that is done inside the
+    MLP, not by torch's checkpoint (the SwiGLU output, picotron/ops/triton_swiglu.py)."""
 
-    def __init__(self, cfg, attention_fn=sdpa_attention, checkpointing: str = "none"):
+    def __init__(self, cfg, attention_fn=sdpa_attention, checkpointing: str = "none",
+                 checkpointed_layers=None):
         super().__init__()
         ours = checkpointing == "selective" and cfg.kernels == "triton"
+        n = cfg.num_hidden_layers if checkpointed_layers is None else checkpointed_layers
         self.cfg, self.checkpointing = cfg, "none" if ours else checkpointing
-        kernels = resolve_kernels(cfg.kernels, recompute_swiglu=ours)
+        self.checkpointed = {str(i) for i in range(n) if self.checkpointing != "none"}  # wrapped
+        kernels = resolve_kernels(cfg.kernels)
+        recomputing = resolve_kernels(cfg.kernels, recompute_swiglu=ours)
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn, kernels)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn,
+                                                          recomputing if i < n else kernels)
                                      for i in range(cfg.num_hidden_layers)})
         self.norm = NORMS[cfg.norm_type](cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -218,8 +222,7 @@ class Decoder(nn.Module):
     def forward(self, x, position_ids=None, layers=None, head: bool = True):
         """`layers`: keys of the layers to run, default all held here. A pipeline rank holding
         several chunks (interleaved schedule) runs one per call: token ids go through the
-        embedding, hidden states do not; the norm and head run after the model's last layer.
-        `head=False` stops after the final norm, for a loss that applies the head itself."""
+        embedding, hidden states do not; the norm and head run after the model's last layer."""
         keys = list(self.layers) if layers is None else layers
         if self.embed_tokens is not None and not torch.is_floating_point(x):
             x = self.embed_tokens(x)                                       # (B, T, C)
@@ -243,7 +246,7 @@ class Decoder(nn.Module):
         delta = None                        # the residual stream is x + delta (see the layer)
         for key in keys:
             layer = self.layers[key]
-            if self.checkpointing == "none" or not torch.is_grad_enabled():
+            if key not in self.checkpointed or not torch.is_grad_enabled():
                 x, delta = layer(x, delta, cos, sin, position_ids)
                 continue
             if self.checkpointing == "full" and delta is not None:

@@ -61,8 +61,14 @@ def readme_table() -> str:
 
 # test_checkpoint_moves_between_layouts: 3 steps as 2x2x2x1 (ZeRO-1), 3 more as
 # 1x4x2x1 from that checkpoint, 3 more in one process. Constant learning rate, so the schedule
-# does not depend on where a run stops.
+# does not depend on where a run stops. The first two parts also recompute activations
+# (training.activation_checkpointing "full" on layer 0, "selective" on layers 0-1), which must
+# change no number: recomputation composed with tp's collectives, pp's stages and dp.
 MOVES = [((2, 2, 2, 1), 3), ((1, 4, 2, 1), 6), ((1, 1, 1, 1), 9)]
+RECOMPUTE = [["--set", "training.activation_checkpointing=full",
+              "--set", "training.activation_checkpointing_layers=1"],
+             ["--set", "training.activation_checkpointing=selective",
+              "--set", "training.activation_checkpointing_layers=2"], []]
 FLAT = ["--set", "training.warmup_steps=0", "--set", "training.min_lr_ratio=1.0"]
 
 
@@ -82,8 +88,9 @@ def runs(tmp_path_factory):
     previous = None
     for i, (layout, total) in enumerate(MOVES):
         extra = [] if previous is None else ["--set", f"checkpoint.load_path={previous}"]
-        paths[f"part{i}"] = write_config(root, f"part{i}", TINY + FLAT + extra + [
-            "--total_train_steps", str(total)] + layout_flags(*layout, zero=int(i == 0)))
+        paths[f"part{i}"] = write_config(root, f"part{i}", TINY + FLAT + extra + RECOMPUTE[i]
+                                         + ["--total_train_steps", str(total)]
+                                         + layout_flags(*layout, zero=int(i == 0)))
         previous = os.path.join(root, f"part{i}", "checkpoints", f"step_{total:06d}")
     paths["whole"] = write_config(root, "whole", TINY + FLAT + ["--total_train_steps", "9"]
                                   + layout_flags(1, 1, 1, 1))

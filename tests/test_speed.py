@@ -89,10 +89,10 @@ def test_fused_loss_in_fp16_keeps_small_gradients(impl):
         assert rel_err(g, e) < 2 * rel_err(r, e), (rel_err(g, e), rel_err(r, e))
 
 
-def build(checkpointing="none", tied=True):
+def build(checkpointing="none", tied=True, checkpointed_layers=None):
     with torch.device("meta"):
         model = Decoder(ModelConfig(**TINY, tie_word_embeddings=tied), sdpa_attention,
-                        checkpointing)
+                        checkpointing, checkpointed_layers)
     return materialize(model, 7, "cpu", torch.float32)
 
 
@@ -161,6 +161,25 @@ def test_selective_recomputes_pointwise_ops_but_no_matmul():
     assert selective["rsqrt"] == full["rsqrt"] == none["rsqrt"] + 2 * L
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_the_first_layers_only(mode, monkeypatch):
+    """training.activation_checkpointing_layers = N: the first N layers go through torch's
+    checkpoint (recompute.checkpointed), the others run plainly; the gradients stay bitwise
+    the reference's for every N."""
+    import picotron.model as model_module
+    wrapped = []
+    checkpointed = model_module.checkpointed
+    monkeypatch.setattr(model_module, "checkpointed",
+                        lambda layer, *a: wrapped.append(layer) or checkpointed(layer, *a))
+    ref_loss, ref = loss_and_grads(build(), causal_lm_loss, True)
+    for n in range(TINY["num_hidden_layers"] + 1):
+        model = build(mode, checkpointed_layers=n)
+        wrapped.clear()
+        loss, got = loss_and_grads(model, causal_lm_loss, True)
+        assert wrapped == [model.layers[str(i)] for i in range(n)]
+        assert loss == ref_loss and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 def test_config_checks_name_the_new_keys():
     for key, bad in (("model.kernels", "cuda"), ("training.fused_loss", "yes"),
                      ("training.activation_checkpointing", "some")):
@@ -187,6 +206,13 @@ def test_config_checks_name_the_new_keys():
     with pytest.raises(ConfigError, match="recomputation would be wrong"):
         config_from_dict({"model": {"kernels": "liger"},
                           "training": {"activation_checkpointing": "selective"}})
+    for n in (-1, 4):
+        with pytest.raises(ConfigError, match=f"activation_checkpointing_layers={n} must be "
+                                              f"between 0 and model.num_hidden_layers=3"):
+            config_from_dict({"model": TINY, "training": {
+                "activation_checkpointing": "full", "activation_checkpointing_layers": n}})
+    with pytest.raises(ConfigError, match="which is 'none'; set it to 'full' or 'selective'"):
+        config_from_dict({"training": {"activation_checkpointing_layers": 2}})
     # ours recompute inside their own autograd function (triton_swiglu.swiglu_linear)
     config_from_dict({"model": {"kernels": "triton"},
                       "training": {"activation_checkpointing": "selective"}})

@@ -28,16 +28,24 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("shape", [LLAMA, PALM], ids=["llama", "palm"])
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
-def test_triton_kernels_match_reference(shape, checkpointing):
+@pytest.mark.parametrize("checkpointing, layers", [("none", None), ("full", None),
+                                                   ("selective", None), ("full", 1),
+                                                   ("selective", 1)])
+def test_triton_kernels_match_reference(shape, checkpointing, layers):
+    """layers=1: training.activation_checkpointing_layers, only layer 0 of 2 checkpointed
+    (with "selective", only its MLP recomputes the SwiGLU output)."""
     ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out = {}
     for kernels, ckpt in (("torch", "none"), ("triton", checkpointing)):
         cfg = ModelConfig(vocab_size=97, num_hidden_layers=2, tie_word_embeddings=True,
                           kernels=kernels, **shape)
         with torch.device("meta"):
-            model = Decoder(cfg, sdpa_attention, ckpt)
+            model = Decoder(cfg, sdpa_attention, ckpt, layers)
         materialize(model, 3, DEVICE, torch.float32)
+        if kernels == "triton":
+            recomputing = [model.layers[k].mlp.kernels.mlp.__name__ == "mlp_recomputing_swiglu"
+                           for k in ("0", "1")]
+            assert recomputing == [ckpt == "selective", ckpt == "selective" and layers is None]
         loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()
         out[kernels] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
