@@ -68,6 +68,8 @@ OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours triton our-loss fp32-master": (True, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss graphs": (False, "triton", "triton", False, "none", "sdpa"),
         "ours triton our-loss selective": (False, "triton", "triton", False, "selective", "sdpa"),
+        "ours triton our-loss selective graphs": (False, "triton", "triton", False, "selective",
+                                                  "sdpa"),
         "ours triton our-loss selective fp32-master": (True, "triton", "triton", False,
                                                        "selective", "sdpa"),
         "ours triton graphs": (False, "triton", "liger", False, "none", "sdpa"),
@@ -218,7 +220,7 @@ def maker(label, shape, mbs, seq, ckpt=None):
     if label.startswith("ours"):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
-                                   label.endswith("graphs") and (ckpt or o[4]) == "none",
+                                   label.endswith("graphs") and (ckpt or o[4]) != "full",
                                    label.endswith(" item"), chunk)
     return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
 

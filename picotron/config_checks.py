@@ -113,7 +113,7 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
         errors.append(f"{' and '.join(gpu_only)} runs Triton kernels on CUDA GPUs only, "
                       f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
     if t.cuda_graphs:
-        errors += cuda_graph_problems(d, t)
+        errors += cuda_graph_problems(d, t, m)
     if t.dtype not in DTYPES:
         errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
     for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",
@@ -179,7 +179,7 @@ def pipeline_errors(config: Config) -> list:
     return errors
 
 
-def cuda_graph_problems(d, t):
+def cuda_graph_problems(d, t, m):
     """training.cuda_graphs captures the whole layer stack as one graph per direction
     (picotron/ops/cuda_graphs.py): nothing inside may talk to other ranks or the host."""
     fix = "; set training.cuda_graphs=false for this layout"
@@ -192,10 +192,14 @@ def cuda_graph_problems(d, t):
     if inside:
         problems.append(f"training.cuda_graphs cannot capture {' and '.join(inside)}: their "
                         f"collectives and stage hand-offs run inside the layers" + fix)
-    if t.activation_checkpointing != "none":
+    # our "selective" recomputes inside the MLP's own autograd function, which a graph
+    # captures like any other; torch's checkpoint would rerun the forward inside backward
+    ours = t.activation_checkpointing == "selective" and m.kernels == "triton"
+    if t.activation_checkpointing != "none" and not ours:
         problems.append(f"training.cuda_graphs needs training.activation_checkpointing='none' "
-                        f"(got '{t.activation_checkpointing}'): the graph already keeps every "
-                        f"activation in its own memory pool")
+                        f"(got '{t.activation_checkpointing}'), or 'selective' with "
+                        f"model.kernels='triton': the graph already keeps every activation "
+                        f"in its own memory pool")
     if t.compile:
         problems.append("training.cuda_graphs and training.compile are two ways to launch the "
                         "layers; choose one")

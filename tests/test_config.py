@@ -66,6 +66,14 @@ def test_cuda_graphs_refuses_what_a_graph_cannot_hold():
     raw["distributed"].update(dp_size=2)    # reductions run after the backward graph: fine
     raw["training"].update(cuda_graphs=True)
     config_from_dict(raw)
+    # our selective recomputes inside an autograd function (tests/test_cuda_graphs_gpu.py);
+    # the torch kernels' selective is torch's checkpoint: refused
+    raw["model"]["kernels"] = "triton"
+    raw["training"]["activation_checkpointing"] = "selective"
+    config_from_dict(raw)
+    raw["model"]["kernels"] = "torch"
+    with pytest.raises(ConfigError, match="or 'selective' with model.kernels='triton'"):
+        config_from_dict(raw)
 
 
 def test_world_size_mismatch_names_every_factor():

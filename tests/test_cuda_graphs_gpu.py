@@ -8,7 +8,8 @@ micro-batches (the graph is replayed 12 times, its static inputs overwritten eac
 validation in eval mode every 3 steps (the eager layers run there, and training goes back to
 the graph after), through train.py's own main. Compared: every step's loss and gradient norm,
 the validation losses and the final weights. Our Triton kernels (model.kernels=triton) and the
-readable ones, in fp32 and bf16; fp16 with loss scaling; and dp=2 over NCCL with ZeRO stages
+readable ones, in fp32 and bf16; our kernels with "selective" recomputation; fp16 with loss
+scaling; and dp=2 over NCCL with ZeRO stages
 0 and 2, where the gradient hooks (bucket all-reduce or reduce-scatter) fire after the
 backward graph. (Calls 3 and 5 of session 5 ran all but the fp16 case: 0.0 differences.)
 """
@@ -27,7 +28,7 @@ import create_config  # noqa: E402
 import train  # noqa: E402
 
 
-def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0):
+def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none"):
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", name, "--mbs", "4", "--seq_len", "128",
         "--dp", str(dp), "--zero_stage", str(zero),
@@ -35,6 +36,7 @@ def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0):
         "--set", f"model.kernels={kernels}", "--set", f"training.dtype={dtype}",
         "--set", f"training.master_weights={'false' if dtype == 'bfloat16' else 'true'}",
         "--set", f"training.cuda_graphs={'true' if graphs else 'false'}",
+        "--set", f"training.activation_checkpointing={ckpt}",
         "--set", "training.val_frequency=3", "--set", "dataset.val_samples=8",
         "--set", "checkpoint.save_frequency=6"])
     if dp == 1:
@@ -49,9 +51,10 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def compare(tmp_path, kernels, dtype, dp=1, zero=0):
+def compare(tmp_path, kernels, dtype, dp=1, zero=0, ckpt="none"):
     (eager, eager_w), (graphed, graphed_w) = (
-        train_run(tmp_path, f"{kernels}_{dtype}_{dp}_{zero}_{g}", kernels, dtype, g, dp, zero)
+        train_run(tmp_path, f"{kernels}_{dtype}_{dp}_{zero}_{ckpt}_{g}", kernels, dtype, g, dp,
+                  zero, ckpt)
         for g in (False, True))
     steps = [r for r in eager if "loss" in r]
     assert len(steps) == 6 and len([r for r in eager if "val_loss" in r]) == 2
@@ -68,6 +71,12 @@ def compare(tmp_path, kernels, dtype, dp=1, zero=0):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphed_layers_train_like_eager_layers(tmp_path, kernels, dtype):
     compare(tmp_path, kernels, dtype)
+
+
+def test_graphed_layers_with_recomputed_swiglu(tmp_path):
+    """activation_checkpointing=selective with our kernels: the MLP's autograd function keeps
+    gu and recomputes the SwiGLU output in its backward, inside the captured graph."""
+    compare(tmp_path, "triton", "bfloat16", ckpt="selective")
 
 
 def test_graphed_layers_with_fp16_loss_scaling(tmp_path):

@@ -15,7 +15,9 @@ What a graph needs, and how each is met here:
 - the same memory: captured after GradBuckets has moved the parameters into their flat
   buckets, and everything later (optimizer steps, checkpoint loads) writes them in place;
 - nothing that talks to the host or to other ranks inside: tp, pp and cp are refused by the
-  config checks, and so are activation checkpointing and torch.compile. Data parallelism is
+  config checks, and so are torch.compile and activation checkpointing (except "selective"
+  with model.kernels=triton: its recomputation is inside the MLP's own autograd function, not
+  torch's checkpoint, so the graphs capture it like any other op). Data parallelism is
   fine: its reductions run from gradient hooks, after the backward graph (no overlap).
 Memory: the graph's private pool keeps one step's activations and the layers' bf16 weight
 gradients (its outputs) between steps, instead of handing them back to the allocator.
