@@ -31,8 +31,8 @@ from picotron.ops.recompute import checkpointed
 
 def rms_norm(x, weight, eps: float):
     """x / rms(x) * w, computed in fp32 (as Llama and Hugging Face do), cast back."""
-    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def layer_norm(x, weight, eps: float):
@@ -206,9 +206,9 @@ class Decoder(nn.Module):
         ours = checkpointing == "selective" and cfg.kernels == "triton"
         n = cfg.num_hidden_layers if checkpointed_layers is None else checkpointed_layers
         self.cfg, self.checkpointing = cfg, "none" if ours else checkpointing
-        self.checkpointed = {str(i) for i in range(n) if self.checkpointing != "none"}  # wrapped
-        kernels = resolve_kernels(cfg.kernels)
-        recomputing = resolve_kernels(cfg.kernels, recompute_swiglu=ours)
+        # the keys of the layers that run under torch's checkpoint (recompute.checkpointed)
+        self.checkpointed = {str(i) for i in range(n) if self.checkpointing != "none"}
+        kernels, recomputing = resolve_kernels(cfg.kernels), resolve_kernels(cfg.kernels, ours)
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, attention_fn,
