@@ -101,7 +101,9 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     try:
         raw = build_config_dict(args)
-        config = config_from_dict(raw)          # validates types and layout
+        # validates types and layout; "auto" options are written as such and resolved on
+        # the machine that trains
+        config = config_from_dict(raw, resolve=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

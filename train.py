@@ -8,9 +8,7 @@ import argparse
 import contextlib
 import datetime
 import os
-import resource
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,16 +18,17 @@ from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_r
 from picotron.config import ConfigError, MissingPackage, load_config
 from picotron.context_parallel import apply_context_parallel
 from picotron.data import DataError, StepBatches, build_train_val, data_state
-from picotron.data_parallel import DistributedAdamW, GradBuckets
+from picotron.data_parallel import GradBuckets
 from picotron.hf_io import load_hf_weights
+from picotron.loss import build_loss
 from picotron.model import Decoder, materialize
-from picotron.ops.cuda_graphs import capture_layers
 from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
                                         pipeline_train_step)
 from picotron.process_group_manager import ProcessGroupManager
-from picotron.tensor_parallel import apply_tensor_parallel, loss_function
-from picotron.utils import (MetricsLog, StepValues, count_params, flops_per_token, format_step,
-                            lr_at, peak_flops, set_seed)
+from picotron.speed import apply_speed, build_optimizer, capture_layers
+from picotron.step_log import StepLog
+from picotron.tensor_parallel import apply_tensor_parallel
+from picotron.utils import MetricsLog, StepValues, count_params, flops_per_token, lr_at, set_seed
 from picotron.validation import validation_loss
 
 
@@ -59,9 +58,7 @@ def setup(config_path):
                                     device_id=device if backend == "nccl" else None)
         else:                         # plain `python train.py`: a one-process group in memory
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    d = config.distributed
-    pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size, timeout=timeout)
-    return config, pgm, device
+    return config, ProcessGroupManager.from_config(config), device
 
 
 def build_model(config, pgm, device):
@@ -70,8 +67,7 @@ def build_model(config, pgm, device):
     dtype = getattr(torch, config.training.dtype)
     attention_fn = resolve_attention(config.model.attn_implementation, device.type)
     with torch.device("meta"):
-        model = Decoder(config.model, attention_fn, config.training.activation_checkpointing,
-                        config.training.activation_checkpointing_layers)
+        model = Decoder(config.model, attention_fn)
     # Parallelism is applied to the skeleton here, one `apply_<axis>(model, pgm, config)` per
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
@@ -83,10 +79,21 @@ def build_model(config, pgm, device):
                         config.model.initializer_range)
     if config.checkpoint.init_from:   # pretrained weights replace the random draw, never after
         load_hf_weights(model, config.checkpoint.init_from)
-    if config.training.compile:       # in place: parameter names stay those of the layout
-        for layer in model.layers.values():
-            layer.compile()
     return model
+
+
+def build_training(config, pgm, device):
+    """Everything a step needs: (model, loss_fn, grads, optimizer). The speed plug-ins are
+    applied to the finished model from outside, before the parameters move into the gradient
+    buckets; CUDA graphs are captured after, where the parameters then live."""
+    model = build_model(config, pgm, device)           # the textbook model, axes applied
+    loss_fn = build_loss(pgm)                          # vocab-parallel when tp shards logits
+    model, loss_fn = apply_speed(model, loss_fn, config)   # kernels, recompute, fused loss
+    grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
+    if config.training.cuda_graphs:    # written in place from now on, so the graphs stay valid
+        capture_layers(model, config, device)
+    optimizer = build_optimizer(grads, pgm, config, device)
+    return model, loss_fn, grads, optimizer
 
 
 def train_step(model, loss_fn, grads, batches, step, config, pgm, device, loss_scale):
@@ -104,9 +111,7 @@ def train_step(model, loss_fn, grads, batches, step, config, pgm, device, loss_s
         # This DP rank's samples; under context parallelism its zigzag share of the tokens,
         # their targets and true positions (all of them, 0..T-1, when cp_size is 1).
         inputs, targets, position_ids = batches.get(step, micro)
-        # (B, T, V) logits; or the final hidden (B, T, C) when the loss applies the head itself
-        out = model(inputs, position_ids, head=not getattr(loss_fn, "applies_head", False))
-        loss = loss_fn(out, targets) / accum
+        loss = loss_fn(model(inputs, position_ids), targets) / accum
         grads.sync = micro == accum - 1
         (loss * loss_scale).backward()
         total += loss.detach()
@@ -132,12 +137,6 @@ def queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm, dev
                        "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
 
 
-def peak_memory_gb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB -> GiB
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a picotron model.")
     parser.add_argument("--config", required=True, help="path to a config.json")
@@ -151,28 +150,11 @@ def main(argv=None):
     run_dir = config.logging.run_dir or os.path.dirname(os.path.abspath(args.config))
     is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0
                  and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
-    tokens_per_step = config.global_batch_size * t.seq_length
-    flops_tok = flops_per_token(config.model, t.seq_length)
-    peak = peak_flops(device)
     if is_logger:
-        d = config.distributed
-        print(f"{pgm}\nlayout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
-              f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} ({device.type})"
-              f"\nmodel {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters,"
-              f" {flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T)\n"
-              f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
-              f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
-              f"tokens/step; dtype {t.dtype}; run dir {run_dir}", flush=True)
-        if d.pp_size > 1:
-            print(describe_split(config), flush=True)
+        print(describe_run(config, pgm, device, run_dir), flush=True)
 
     # ---- build --------------------------------------------------------------------------
-    model = build_model(config, pgm, device)
-    grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
-    if t.cuda_graphs:        # captured where the parameters now live (written in place later)
-        capture_layers(model, config, device)
-    optimizer = DistributedAdamW(grads, pgm, config)
-    loss_fn = loss_function(pgm, config, model)   # vocab-parallel when the logits are sharded
+    model, loss_fn, grads, optimizer = build_training(config, pgm, device)
     data, val_data = build_train_val(config, run_dir)
     batches = StepBatches(data, config, pgm, device)   # this rank's micro-batches of a step
     # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
@@ -181,46 +163,22 @@ def main(argv=None):
         print(f"resumed at step {start_step} from {config.checkpoint.load_path}", flush=True)
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config,
                          keep_until_step=start_step)
+    # Each step's loss and grad norm are read once the next step is queued, so the GPU never
+    # waits for the host to log; validation, checkpoints and the end read them first (flush).
+    log = StepLog(metrics, config, device, tokens_seen=tokens_seen, is_logger=is_logger)
 
     # ---- train --------------------------------------------------------------------------
-    # Each step's loss and grad norm are read once the next step is queued (StepValues): the
-    # GPU never waits for the host to log. Validation and checkpoints read them first.
-    pending, clock = None, time.perf_counter()
-
-    def log(done: StepValues):
-        nonlocal tokens_seen, clock
-        r = done.read()                                  # waits for that step only
-        now = time.perf_counter()
-        step_time, clock = now - clock, now
-        tokens_seen += tokens_per_step
-        per_gpu = tokens_per_step / step_time / config.world_size
-        record = {"step": r["step"], "loss": r["loss"], "lr": r["lr"],
-                  "grad_norm": r["grad_norm"], "tokens": tokens_seen,
-                  "tokens_per_s": tokens_per_step / step_time, "tokens_per_s_per_gpu": per_gpu,
-                  "tflops_per_gpu": per_gpu * flops_tok / 1e12,
-                  "mfu": per_gpu * flops_tok / peak if peak else None,
-                  "peak_mem_gb": peak_memory_gb(device), "step_time_s": step_time,
-                  "skipped": bool(r["skipped"])}    # a non-finite gradient norm: no update
-        if t.dtype == "float16":
-            record["loss_scale"] = r["loss_scale"]
-        metrics.write(record)
-        if is_logger and r["step"] % config.logging.log_frequency == 0:
-            print(format_step(record), flush=True)
-
     try:
         for step in range(start_step, t.total_train_steps):
-            done = queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
-                              device)
-            previous, pending = pending, done
-            if previous is not None:
-                log(previous)                    # the step before this one, now finished
+            log.start(step)
+            log.queued(queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
+                                  device))
             every = config.checkpoint.save_frequency
             validate = t.val_frequency and (step + 1) % t.val_frequency == 0
             save = every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps)
             if not (validate or save or step + 1 == t.total_train_steps):
                 continue
-            finished, pending = pending, None
-            log(finished)
+            log.flush()
             if validate:
                 val = validation_loss(model, loss_fn, val_data, config, pgm, device)
                 metrics.write({"step": step + 1, "val_loss": val})
@@ -228,17 +186,36 @@ def main(argv=None):
                     print(f"step {step + 1:>5} | val loss {val:.4f}", flush=True)
             if save:
                 save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
-                                {"tokens_seen": tokens_seen, "data": data_state(config, step + 1,
-                                                                                data)})
-            clock = time.perf_counter()          # the next step's time leaves these out
+                                {"tokens_seen": log.tokens_seen,
+                                 "data": data_state(config, step + 1, data)})
     except BaseException:      # a crash or Ctrl-C: the last finished step is still logged
-        if pending is not None:
-            with contextlib.suppress(Exception):
-                log(pending)
+        with contextlib.suppress(Exception):
+            log.flush()
         raise
     if owns_group:
         dist.destroy_process_group()
 
+
+def describe_run(config, pgm, device, run_dir) -> str:
+    """The run's first lines: what "auto" chose, the grid, the model, the batch."""
+    d, t = config.distributed, config.training
+    auto = getattr(config, "auto_resolved", {})
+    chosen = ", ".join(f"{k}={v}" for k, v in auto.items())
+    tokens_per_step = config.global_batch_size * t.seq_length
+    flops_tok = flops_per_token(config.model, t.seq_length)
+    lines = [f"auto on {device.type}: {chosen}" if chosen else "auto: nothing left to choose",
+             f"{pgm}", f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
+             f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} ({device.type})",
+             f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
+             f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "
+             f"{config.model.kernels}, loss {t.fused_loss}, recompute "
+             f"{t.activation_checkpointing}",
+             f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
+             f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
+             f"tokens/step; dtype {t.dtype}; run dir {run_dir}"]
+    if d.pp_size > 1:
+        lines.append(describe_split(config))
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     try:

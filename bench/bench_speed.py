@@ -1,11 +1,12 @@
-"""Issue 9's benchmark: picotron's train.py path against Hugging Face loops, in one call.
+"""The speed benchmark: picotron's train.py path against Hugging Face loops, in one call.
 
     python bench/bench_speed.py [--shapes SmolLM-360M,SmolLM-1.7B] [--rows LABELS] [--out DIR]
 
 For each shape, seq 2048, micro-batch 16, bf16 parameters, fused AdamW, no accumulation,
 synthetic tokens (the same windows for every run), it times:
-- ours: train.py's own build_model / GradBuckets / DistributedAdamW / loss_function /
-  train_step, as its loop calls them, with the fast options of each row ("ours triton":
+- ours: train.py's own build_training and train_step, as its loop calls them, with the fast
+  options of each row ("ours defaults": no option set, what "auto" picks on a GPU; "ours
+  plain": the readable reference; "ours triton":
   model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
   both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "our-loss":
   training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
@@ -46,19 +47,18 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
 from picotron.data import StepBatches, SyntheticData  # noqa: E402
-from picotron.data_parallel import DistributedAdamW, GradBuckets  # noqa: E402
 from picotron.model import materialize  # noqa: E402
-from picotron.ops.cuda_graphs import capture_layers  # noqa: E402
 from picotron.presets import resolve_model  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
-from picotron.tensor_parallel import loss_function  # noqa: E402
 from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
 from gpu_clock import ClockSampler  # noqa: E402
 from matmul_floor import floor_runner  # noqa: E402
 
 PEAK = 989.5e12
 # label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
-OURS = {"ours plain": (False, "torch", "none", False, "none", "sdpa"),
+OURS = {"ours defaults": (False, "auto", "auto", False, "auto", "sdpa"),
+        "ours defaults fp32-master": (True, "auto", "auto", False, "auto", "sdpa"),
+        "ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger": (False, "liger", "liger", False, "none", "sdpa"),
         "ours liger fp32-master": (True, "liger", "liger", False, "none", "sdpa"),
         "ours triton": (False, "triton", "liger", False, "none", "sdpa"),
@@ -110,13 +110,8 @@ def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, at
                            activation_checkpointing=ckpt, cuda_graphs=graphs,
                            loss_chunk_tokens=chunk)
     config = config_from_dict(raw, world_size=1)
-    pgm, device = ProcessGroupManager(1, 1, 1, 1), torch.device("cuda")
-    model = train.build_model(config, pgm, device)
-    grads = GradBuckets(model, pgm, config)
-    if graphs:
-        capture_layers(model, config, device)
-    optimizer = DistributedAdamW(grads, pgm, config)
-    loss_fn = loss_function(pgm, config, model)
+    pgm, device = ProcessGroupManager(), torch.device("cuda")
+    model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
     batches = StepBatches(SyntheticData(seq, config.model.vocab_size, 42), config, pgm, device)
 
     pending = []
@@ -209,7 +204,7 @@ def maker(label, shape, mbs, seq, ckpt=None):
     """A function that builds the row's step function (in this process, on the GPU).
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
     if label.endswith(" cat"):            # fused weights concatenated each step, as before
-        from picotron.ops import fused_linear
+        from picotron.speed import fused_linear
         fused_linear.stacked = lambda weights: torch.cat(weights, dim=0)
         label = label[:-len(" cat")]
     chunk = 0

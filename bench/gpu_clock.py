@@ -1,10 +1,9 @@
 """The GPU's SM clock and power draw while a benchmark row runs, from `nvidia-smi` sampling in
 the background.
 
-Why: an H200 at its 700 W limit lowers its clock, and every kernel slows with it. During
-SmolLM-1.7B training steps it ran at 1.53-1.76 GHz instead of 1.98 (bench/NOTES.md, session 7,
-call 8), so its GEMMs took ~12% longer inside a step than alone. A row's clock says whether
-two rows ran under the same conditions.
+Why: an H200 at its 700 W limit lowers its clock, and every kernel slows with it, so GEMMs
+run longer inside a training step than alone (measured: see bench/NOTES.md). A row's clock
+says whether two rows ran under the same conditions.
 """
 import os
 import statistics

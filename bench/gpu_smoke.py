@@ -25,7 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from picotron.config import ModelConfig  # noqa: E402
+from picotron.config import Config, ModelConfig  # noqa: E402
+from picotron.speed.kernels import apply_kernels  # noqa: E402
 from picotron.data import embedded_corpus_bytes  # noqa: E402
 from picotron.attention import sdpa_attention  # noqa: E402
 from picotron.model import Decoder, materialize  # noqa: E402
@@ -84,9 +85,9 @@ def main():
                                    ("cuda", torch.bfloat16, "torch"),
                                    ("cuda", torch.bfloat16, "triton")):
         with torch.device("meta"):
-            model = Decoder(ModelConfig(**{**resolve_model("debug"), "kernels": kernels}),
-                            sdpa_attention)
+            model = Decoder(ModelConfig(**resolve_model("debug")), sdpa_attention)
         materialize(model, 42, device, dtype)
+        apply_kernels(model, Config(model=ModelConfig(kernels=kernels)))   # as train.py does
         ids = torch.randint(0, 256, (4, 256), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits[device, kernels] = model(ids.to(device)).float().cpu()

@@ -1,4 +1,4 @@
-"""Issue 9's item 4: the largest micro-batch that fits on one GPU, with and without full
+"""The largest micro-batch that fits on one GPU, with and without full
 activation checkpointing, for our path and for Hugging Face + Liger.
 
     python bench/largest_batch.py [--shapes SmolLM-360M,SmolLM-1.7B]
@@ -15,12 +15,12 @@ to 8 sequences, and each row's peak memory at that size is printed with it.
 
 `bench_speed.py --largest_batch LABELS` runs the same search after its table.
 
-Each row runs in its own process (liger's patch of HF's Llama stays in its process) and tries
-its sizes one after another in that process: a 1.7B build and two steps take seconds, a fresh
-process per size ~30 s. After a failed size every reference is dropped and the cache emptied;
-if the allocated memory does not return to within 0.5 GB of where it started (cuBLAS and
-cuDNN keep their workspaces), later sizes could fail for the wrong reason, so the search stops
-and says so. Output: stdout and DIR/largest_batch.txt.
+Each row runs in its own process, bench/batch_fits.py (liger's patch of HF's Llama stays in
+its process), and tries its sizes one after another in that process: a 1.7B build and two
+steps take seconds, a fresh process per size ~30 s. After a failed size every reference is
+dropped and the cache emptied; if the allocated memory does not return to within 0.5 GB of
+where it started (cuBLAS and cuDNN keep their workspaces), later sizes could fail for the wrong
+reason, so the search stops and says so. Output: stdout and DIR/largest_batch.txt.
 """
 import argparse
 import json
@@ -31,58 +31,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_speed  # noqa: E402
-
-
-def fits(label, shape, mbs, seq, ckpt):
-    """(True, peak GB) if two steps at this micro-batch run, else (False, why)."""
-    start = torch.cuda.memory_allocated()
-    r = bench_speed.measure(bench_speed.maker(label, shape, mbs, seq, ckpt), 1, 1, mbs, seq)
-    # cuBLAS/cuDNN keep workspaces (tens of MB) from the first trial on: allowed; a step of 8
-    # sequences moves the peak by GBs, so 0.5 GB left over cannot change an answer
-    leftover = (torch.cuda.memory_allocated() - start) / 2 ** 30
-    if leftover > 0.5:
-        raise RuntimeError(f"{leftover:.2f} GB still allocated after micro-batch {mbs}: "
-                           f"the sizes after it would not be measured fairly")
-    return (True, r[1]) if isinstance(r, tuple) else (False, r)
-
-
-def search(label, shape, seq, ckpt, limit):
-    """The largest fitting micro-batch (16, 32, ... then steps of 8), its peak GB, and a log of
-    every size tried."""
-    tried, best, peak, first_fail = [], None, None, None
-    mbs = 16
-    while mbs <= limit:
-        ok, info = fits(label, shape, mbs, seq, ckpt)
-        tried.append(f"{mbs}:{'ok %.1f GB' % info if ok else info[:40]}")
-        if not ok:
-            first_fail = mbs
-            break
-        best, peak, mbs = mbs, info, mbs * 2
-    if best is not None and first_fail is not None:
-        for mbs in range(best + 8, first_fail, 8):
-            ok, info = fits(label, shape, mbs, seq, ckpt)
-            tried.append(f"{mbs}:{'ok %.1f GB' % info if ok else info[:40]}")
-            if not ok:
-                break
-            best, peak = mbs, info
-    return best, peak, tried
-
-
-def child(args):
-    import torch.distributed as dist
-
-    import train
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    train.materialize = bench_speed.cached_materialize
-    results = {}
-    own = "selective" if "selective" in args.one else "none"      # the row's own mode
-    for ckpt in args.modes.split(","):
-        ckpt = own if ckpt == "own" else ckpt
-        results[ckpt] = search(args.one, args.shapes, args.seq, ckpt, args.limit)
-    print("RESULT " + json.dumps(results))
+# each row's search runs in bench/batch_fits.py, in a process of its own
+BATCH_FITS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batch_fits.py")
 
 
 def report(shapes, rows, seq, limit, emit, modes="own,full"):
@@ -92,7 +42,7 @@ def report(shapes, rows, seq, limit, emit, modes="own,full"):
     for shape in shapes.split(","):
         for label in rows.split(","):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", label,
+            proc = subprocess.run([sys.executable, BATCH_FITS, "--one", label,
                                    "--shapes", shape, "--seq", str(seq), "--limit", str(limit),
                                    "--modes", modes],
                                   capture_output=True, text=True)
@@ -117,10 +67,7 @@ def main():
                    "search: 'own' (the row's: selective for a '... selective' row, else "
                    "none), 'none', 'selective', 'full'")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--one", help=argparse.SUPPRESS)       # child: search this row
     args = p.parse_args()
-    if args.one:
-        return child(args)
     lines = [f"torch {torch.__version__}"]
 
     def emit(text):

@@ -24,7 +24,7 @@ elementwise work: those are what the floor leaves out.
 import torch
 import torch.nn.functional as F
 
-from picotron.ops.triton_loss import _accumulate as accumulate
+from picotron.speed.triton_loss import _accumulate as accumulate
 
 
 def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):

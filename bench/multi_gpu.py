@@ -1,4 +1,4 @@
-"""Issues 10 and 11: picotron on several GPUs over NCCL, checked and timed in one call.
+"""picotron on several GPUs over NCCL, checked and timed in one call.
 
     python bench/multi_gpu.py [--gpus N] [--parts parity,throughput] [--out DIR]
     python bench/multi_gpu.py --cpu --gpus 4 --parts parity     # the same runs on gloo CPU ranks
@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 
 import create_config  # noqa: E402
 
-# (name, world size, create_config flags): issue 10 takes the 2-GPU rows, issue 11 the 8-GPU ones
+# (name, world size, create_config flags): the 2-GPU rows, then the 8-GPU ones
 PARITY = [("dp2", 2, ["--dp", "2"]), ("tp2-sp", 2, ["--tp", "2", "--set",
                                                     "distributed.sequence_parallel=true"]),
           ("pp2-1f1b", 2, ["--pp", "2", "--pp_engine", "1f1b"]),

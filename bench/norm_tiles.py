@@ -1,13 +1,13 @@
 """The Triton norms' tile choice, swept on the GPU: time and bandwidth of every (rows per program,
-warps, programs per SM) against the heuristic `_tile` in picotron/ops/triton_norms.py.
+warps, programs per SM) against the heuristic `_tile` in picotron/speed/triton_norms.py.
 
     python bench/norm_tiles.py [--widths 960,2048] [--rows 32768] [--out DIR]
 
-For each width C: the forward (plain and residual form, RMSNorm) and the backward (plain and
-residual), bf16 rows, fp32 statistics, as the model calls them at micro-batch 16 x seq 2048.
-Bandwidth counts the bytes each kernel must move (x, y, h, d, dy, dh, dx once each; the
-per-row statistics and weight partials are negligible), so "of floor" = that traffic at the
-device's copy rate over the measured time. Prints one table per kernel, best first.
+For each width C: the RMSNorm forward and backward, bf16 rows, fp32 statistics, as the model
+calls them at micro-batch 16 x seq 2048. Bandwidth counts the bytes each kernel must move (x,
+y, dy, dx once each; the per-row statistics and weight partials are negligible), so "of floor"
+= that traffic at the device's copy rate over the measured time. Prints one table per kernel,
+best first.
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from picotron.ops import triton_norms as tn  # noqa: E402
+from picotron.speed import triton_norms as tn  # noqa: E402
 
 
 def copy_rate(nbytes=2 ** 31):
@@ -30,49 +30,43 @@ def copy_rate(nbytes=2 ** 31):
 
 def sweep(N, C, rate, emit):
     dev, dt = torch.device("cuda"), torch.bfloat16
-    x, d, dy, dh = (torch.randn(N, C, device=dev, dtype=dt) for _ in range(4))
+    x, dy = (torch.randn(N, C, device=dev, dtype=dt) for _ in range(2))
     w = torch.randn(C, device=dev, dtype=dt)
-    y, h, dx = (torch.empty_like(x) for _ in range(3))
+    y, dx = (torch.empty_like(x) for _ in range(2))
     rstd = torch.ones(N, device=dev, dtype=torch.float32)
     BLOCK_C = triton.next_power_of_2(C)
     now, now_bwd = tn._tile(C), tn._tile(C, backward=True)
     row_bytes = C * x.element_size()
-    for residual in (False, True):
-        tensors = 4 if residual else 2                 # x (d) in, y (h) out
-        rows = []
-        for bm in (1, 2, 4, 8, 16):
-            for nw in (1, 2, 4, 8, 16):
-                if bm * BLOCK_C // (32 * nw) < 1 or bm * BLOCK_C // (32 * nw) > 64:
-                    continue            # under one element or over 64 per thread per tensor
+    rows = []
+    for bm in (1, 2, 4, 8, 16):
+        for nw in (1, 2, 4, 8, 16):
+            if bm * BLOCK_C // (32 * nw) < 1 or bm * BLOCK_C // (32 * nw) > 64:
+                continue                # under one element or over 64 per thread per tensor
 
-                def fwd():
-                    tn._norm_fwd[(triton.cdiv(N, bm),)](
-                        x, d, h, w, y, rstd, rstd, N, C, C, C, 1e-5, RMS=True,
-                        RESIDUAL=residual, BLOCK_M=bm, BLOCK_C=BLOCK_C, num_warps=nw)
-                ms = do_bench(fwd)
-                rows.append((ms, bm, nw, "-"))
-        report(emit, f"forward C={C}{' residual' if residual else ''}", rows,
-               tensors * N * row_bytes, rate, now)
-    for residual in (False, True):
-        tensors = 4 if residual else 3                 # x, dy (dh) in, dx out
-        rows = []
-        for bm in (1, 2, 4, 8, 16):
-            for nw in (2, 4, 8, 16):
-                per_thread = bm * BLOCK_C // (32 * nw)
-                if per_thread < 2 or per_thread > 32:
-                    continue
-                for per_sm in (1, 2, 4, 8):
-                    programs = min(per_sm * tn._sm_count(dev), triton.cdiv(N, bm))
-                    dw = torch.empty(programs, C, device=dev, dtype=torch.float32)
+            def fwd():
+                tn._norm_fwd[(triton.cdiv(N, bm),)](
+                    x, w, y, rstd, rstd, N, C, C, 1e-5, RMS=True, BLOCK_M=bm,
+                    BLOCK_C=BLOCK_C, num_warps=nw)
+            ms = do_bench(fwd)
+            rows.append((ms, bm, nw, "-"))
+    report(emit, f"forward C={C}", rows, 2 * N * row_bytes, rate, now)   # x in, y out
+    rows = []
+    for bm in (1, 2, 4, 8, 16):
+        for nw in (2, 4, 8, 16):
+            per_thread = bm * BLOCK_C // (32 * nw)
+            if per_thread < 2 or per_thread > 32:
+                continue
+            for per_sm in (1, 2, 4, 8):
+                programs = min(per_sm * tn._sm_count(dev), triton.cdiv(N, bm))
+                dw = torch.empty(programs, C, device=dev, dtype=torch.float32)
 
-                    def bwd():
-                        tn._norm_bwd[(programs,)](
-                            x, w, dy, dh, dx, dw, rstd, rstd, N, C, C, C, C, RMS=True,
-                            RESIDUAL=residual, BLOCK_M=bm, BLOCK_C=BLOCK_C, num_warps=nw)
-                    ms = do_bench(bwd)
-                    rows.append((ms, bm, nw, per_sm))
-        report(emit, f"backward C={C}{' residual' if residual else ''}", rows,
-               tensors * N * row_bytes, rate, now_bwd)
+                def bwd():
+                    tn._norm_bwd[(programs,)](
+                        x, w, dy, dx, dw, rstd, rstd, N, C, C, C, RMS=True, BLOCK_M=bm,
+                        BLOCK_C=BLOCK_C, num_warps=nw)
+                ms = do_bench(bwd)
+                rows.append((ms, bm, nw, per_sm))
+    report(emit, f"backward C={C}", rows, 3 * N * row_bytes, rate, now_bwd)   # x, dy in, dx out
 
 
 def report(emit, title, rows, nbytes, rate, now):

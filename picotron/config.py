@@ -5,12 +5,15 @@ of the wrong type is refused at load time, and every impossible layout is refuse
 single process group exists. `create_config.py` writes through these same types, so what it
 writes always loads.
 """
+import copy
 import dataclasses
 import difflib
 import json
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
+
+from picotron.config_checks import layout_errors   # the checks live beside, by idea
 
 
 class ConfigError(ValueError):
@@ -66,10 +69,11 @@ class ModelConfig:
     norm_type: str = "rmsnorm"        # rmsnorm | layernorm (LayerNorm without bias, as PaLM)
     # auto: flash-attn when installed and on GPU, else sdpa; eager: the plain softmax(QK^T)V.
     attn_implementation: str = "auto"
-    # torch: the readable PyTorch ops (reference); liger: liger-kernel's Triton RMSNorm, RoPE
-    # and SwiGLU (CUDA, picotron/ops/liger.py); triton: our Triton kernels with fused q/k/v
-    # and gate/up projections (CUDA, picotron/ops/fused.py).
-    kernels: str = "torch"
+    # auto: "triton" on GPUs ("torch" with training.compile), "torch" on CPU | torch: the
+    # readable PyTorch ops (reference) | liger: liger-kernel's Triton RMSNorm, RoPE and SwiGLU
+    # (CUDA) | triton: our Triton kernels, fused q/k/v and gate/up projections (CUDA);
+    # applied by picotron/speed/kernels.py
+    kernels: str = "auto"
 
 
 @dataclass
@@ -93,16 +97,18 @@ class TrainingConfig:
     loss_scale_window: int = 1000      # good steps before the loss scale doubles
     use_fused_adam: bool = True        # one-pass Triton AdamW on CUDA (ignored on CPU)
     val_frequency: int = 0             # steps between val_loss evaluations; 0: never
-    # none: logits, then cross-entropy (reference) | chunked: head + loss a chunk of tokens
-    # at a time, plain PyTorch | liger: the same with liger-kernel | triton: the same with our
-    # Triton kernel, no host sync (picotron/ops/loss.py, triton_loss.py)
-    fused_loss: str = "none"
+    # auto: "triton" on GPUs without tensor parallelism, else "none" | none: logits, then
+    # cross-entropy (reference) | chunked: head + loss a chunk of tokens at a time, plain
+    # PyTorch | liger: the same with liger-kernel | triton: the same with our Triton kernel,
+    # no host sync (picotron/speed/loss.py)
+    fused_loss: str = "auto"
     # tokens per chunk of the "chunked" and "triton" losses; 0: 4096 (loss.default_rows says
     # why). Larger chunks: more memory, fewer passes over the fp32 head-gradient accumulator
     loss_chunk_tokens: int = 0
-    # none | full | selective (picotron/ops/recompute.py; with kernels=triton, "selective"
-    # recomputes the SwiGLU output in the MLP's backward, picotron/ops/triton_swiglu.py)
-    activation_checkpointing: str = "none"
+    # auto: "selective" with model.kernels=triton, else "none" | none | full | selective
+    # (picotron/speed/recompute.py; with kernels=triton, "selective" recomputes the SwiGLU
+    # output in the MLP's backward)
+    activation_checkpointing: str = "auto"
     # the layers that use it: the model's first N (layers 0..N-1, on whichever pipeline stage
     # holds them); null: all. The others keep every activation, so N trades memory for the
     # recomputation of N layers (Megatron's recompute_num_layers, counted over the model)
@@ -175,16 +181,6 @@ class Config:
             f.write("\n")
 
 
-PP_ENGINES = ("afab", "1f1b", "interleaved")
-CP_MODES = ("ring", "ulysses")
-DTYPES = ("float32", "bfloat16", "float16")
-NORM_TYPES = ("rmsnorm", "layernorm")
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
-KERNELS = ("torch", "liger", "triton")
-FUSED_LOSSES = ("none", "chunked", "liger", "triton")
-CHECKPOINTING = ("none", "full", "selective")
-
-
 def _type_ok(value, hint) -> bool:
     if typing.get_origin(hint) is typing.Union:          # Optional[X]
         return any(_type_ok(value, h) for h in typing.get_args(hint))
@@ -224,8 +220,11 @@ def _build_section(cls, raw, section: str, errors: list):
     return cls(**kwargs)
 
 
-def config_from_dict(raw: dict, world_size: Optional[int] = None) -> Config:
-    """Build and validate a Config; raise one ConfigError listing every problem."""
+def config_from_dict(raw: dict, world_size: Optional[int] = None,
+                     resolve: bool = True) -> Config:
+    """Build and validate a Config; raise one ConfigError listing every problem. Its "auto"
+    options are resolved (resolve_auto) unless `resolve` is false (create_config.py writes
+    them as "auto"); the checks always see them resolved."""
     errors = []
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
@@ -238,11 +237,39 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None) -> Config:
         else:
             built[key] = _build_section(hints[key], value, key, errors)
     config = Config(**built)
-    from picotron.config_checks import layout_errors   # the checks live beside, by idea
-    errors += layout_errors(config, world_size)
+    resolved = copy.deepcopy(config)
+    if not errors:
+        resolve_auto(resolved)
+    errors += layout_errors(resolved, world_size)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
-    return config
+    return resolved if resolve else config
+
+
+def resolve_auto(config: Config) -> dict:
+    """Replace each "auto" speed option by the fastest measured path that fits the layout
+    (bench/NOTES.md has the measurements); on CPU, by the readable reference. Returns and
+    records in `config.auto_resolved` what was chosen, for the run's first line.
+
+    On a GPU: our Triton kernels with "selective" recomputation (the SwiGLU output recomputed
+    inside the MLP: the speed of no recomputation at a fraction of the memory) and the Triton
+    fused loss, except that under tensor parallelism the loss is the vocab-parallel one (it
+    never gathers the logits either), and that with training.compile the compiler gets the
+    readable ops to fuse."""
+    m, t = config.model, config.training
+    gpu = not config.distributed.use_cpu
+    chosen = {}
+    if m.kernels == "auto":
+        m.kernels = chosen["model.kernels"] = "triton" if gpu and not t.compile else "torch"
+    if t.fused_loss == "auto":
+        fits = gpu and config.distributed.tp_size == 1
+        t.fused_loss = chosen["training.fused_loss"] = "triton" if fits else "none"
+    if t.activation_checkpointing == "auto":
+        ours = gpu and m.kernels == "triton"
+        t.activation_checkpointing = chosen["training.activation_checkpointing"] = (
+            "selective" if ours else "none")
+    config.auto_resolved = chosen
+    return chosen
 
 
 def load_config(path: str, world_size: Optional[int] = None) -> Config:

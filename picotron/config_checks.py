@@ -4,12 +4,24 @@ Called by `config.config_from_dict` at load time, so an impossible layout is ref
 single process group exists."""
 from typing import Optional
 
-from picotron.config import (ATTN_IMPLEMENTATIONS, CHECKPOINTING, CP_MODES, DTYPES,
-                             FUSED_LOSSES, KERNELS, NORM_TYPES, PP_ENGINES, Config)
+# The allowed values of the config's string options. They live here, not in config.py, so
+# that this module imports nothing of the package and config.py can import it at the top.
+# "auto" picks the fastest measured path for the machine when the run is built.
+PP_ENGINES = ("afab", "1f1b", "interleaved")
+CP_MODES = ("ring", "ulysses")
+DTYPES = ("float32", "bfloat16", "float16")
+NORM_TYPES = ("rmsnorm", "layernorm")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
+KERNELS = ("auto", "torch", "liger", "triton")
+FUSED_LOSSES = ("auto", "none", "chunked", "liger", "triton")
+CHECKPOINTING = ("auto", "none", "full", "selective")
 
 
-def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
-    """Every reason this config cannot run, each with the values involved and a fix."""
+def layout_errors(config, world_size: Optional[int] = None) -> list:
+    """Every reason this config cannot run, each with the values involved and a fix.
+
+    `config` is a `picotron.config.Config`; it is only read through its sections'
+    attributes, so this module does not import config.py (which imports it)."""
     d, m, t = config.distributed, config.model, config.training
     errors = []
     for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
@@ -136,11 +148,16 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     if t.dtype == "float16" and not t.master_weights:
         errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
                       "weights cannot absorb small updates, and loss scaling unscales into them")
+    if t.fused_loss not in ("none", "auto") and d.tp_size > 1:
+        errors.append(f"training.fused_loss='{t.fused_loss}' applies the whole output head on "
+                      f"one rank, but tp_size={d.tp_size} shards the head over the vocabulary "
+                      f"and its vocab-parallel loss never gathers the logits either; set "
+                      f"training.fused_loss='none' (or 'auto')")
     if t.dtype == "float16" and t.fused_loss == "liger" and d.tp_size == 1:
         # liger stores d loss / d logits, (softmax - onehot) / tokens, in the model dtype
         # during forward, before backward multiplies in the loss scale: in fp16 the small ones
         # (~1e-9 for a 49k vocabulary and 32k tokens) underflow. Ours keep it per token and
-        # divide in backward (picotron/ops/loss.py).
+        # divide in backward (picotron/speed/loss.py).
         errors.append("training.fused_loss='liger' with training.dtype='float16' would lose "
                       "part of the logits' gradient (liger rounds it to fp16 before the loss "
                       "scale applies); use training.fused_loss='triton' or 'chunked', or "
@@ -161,7 +178,7 @@ def layout_errors(config: Config, world_size: Optional[int] = None) -> list:
     return errors
 
 
-def pipeline_errors(config: Config) -> list:
+def pipeline_errors(config) -> list:
     """afab and 1f1b take any number of micro-batches (fewer than pp_size: correct, slow);
     interleaved sends them round in groups of pp_size through pp_size*v equal layer chunks."""
     d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
@@ -181,7 +198,7 @@ def pipeline_errors(config: Config) -> list:
 
 def cuda_graph_problems(d, t, m):
     """training.cuda_graphs captures the whole layer stack as one graph per direction
-    (picotron/ops/cuda_graphs.py): nothing inside may talk to other ranks or the host."""
+    (picotron/speed/cuda_graphs.py): nothing inside may talk to other ranks or the host."""
     fix = "; set training.cuda_graphs=false for this layout"
     inside = [f"distributed.{k}={getattr(d, k)}" for k in ("tp_size", "pp_size", "cp_size")
               if getattr(d, k) > 1]

@@ -23,13 +23,10 @@ import sysconfig
 import torch
 
 from picotron.context_parallel.sharding import shard_sequence
+from picotron.errors import DataError  # noqa: F401  (re-exported: the entry points catch it)
 
 EMBEDDED_MAX_BYTES = 8 * 2 ** 20      # 8 MiB of source: ~30k windows of 256 tokens
 DOCUMENT_SEPARATOR = 0                 # byte-level "end of document"
-
-
-class DataError(ValueError):
-    """The dataset section names data that cannot be loaded."""
 
 
 def embedded_corpus_bytes(max_bytes: int = EMBEDDED_MAX_BYTES) -> torch.Tensor:
@@ -174,13 +171,15 @@ def check_data_state(state: dict, config, step: int, data) -> None:
                         f"the sample order would differ; resume with the same dataset settings")
 
 
-def micro_batch(data, step: int, micro: int, config, dp_rank: int):
-    """(inputs, targets), each (micro_batch_size, seq_len), for one DP rank's micro-batch.
+def micro_batch(data, step: int, micro: int, config, pgm):
+    """(inputs, targets), each (micro_batch_size, seq_len), for DP rank pgm.dp_rank's
+    micro-batch (one process: `ProcessGroupManager()`).
 
     step counts from 0. Within the global batch, micro-batch m of DP rank r holds samples
     (m * dp + r) * mbs ... + mbs - 1, so the same samples make up a step in every layout."""
-    mbs, dp = config.training.micro_batch_size, config.distributed.dp_size
-    first = step * config.global_batch_size + (micro * dp + dp_rank) * mbs
+    mbs, accum = config.training.micro_batch_size, config.training.gradient_accumulation_steps
+    dp = pgm.dp_size
+    first = ((step * accum + micro) * dp + pgm.dp_rank) * mbs    # step * global batch + ...
     windows = torch.stack([data.window(first + b) for b in range(mbs)])   # (mbs, T+1)
     return windows[:, :-1], windows[:, 1:]
 
@@ -210,7 +209,7 @@ class StepBatches:
         return self._build(step, micro)
 
     def _build(self, step: int, micro: int):
-        inputs, targets = micro_batch(self.data, step, micro, self.config, self.pgm.dp_rank)
+        inputs, targets = micro_batch(self.data, step, micro, self.config, self.pgm)
         batch = shard_sequence(inputs, targets, self.pgm.cp_rank, self.pgm.cp_size)
         if self.device.type != "cuda":
             return batch

@@ -8,7 +8,6 @@ There is no KV cache: every new token re-runs the model over the whole sequence 
 (cropped to max_position_embeddings), which costs O(T^2) per step but keeps the model code
 free of generation state. That is fine for the small models and short outputs this is for.
 """
-import dataclasses
 
 import torch
 
@@ -19,14 +18,13 @@ from picotron.shards import checkpoint_config, load_full_weights
 
 def load_for_inference(checkpoint_dir: str, device="cpu"):
     """(model in eval mode, its Config) from a checkpoint directory (one step_* folder).
-    The readable torch kernels whatever the run trained with (model.kernels='liger' or
-    'triton' need a GPU and packages the machine that samples may not have): same weights,
-    same math."""
+    The textbook model, whatever fast paths the run trained with (they are plug-ins applied
+    by train.py, never part of the model): same weights, same math."""
     config = checkpoint_config(checkpoint_dir)
     weights = load_full_weights(checkpoint_dir)
     dtype = next(iter(weights.values())).dtype
     with torch.device("meta"):
-        model = Decoder(dataclasses.replace(config.model, kernels="torch"), eager_attention)
+        model = Decoder(config.model, eager_attention)
     model.to_empty(device=device)
     if config.model.tie_word_embeddings:      # to_empty broke the tie: tie again
         model.lm_head.weight = model.embed_tokens.weight

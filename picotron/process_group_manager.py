@@ -15,6 +15,7 @@ an axis are the ranks that differ from it only in that coordinate.
 The pure functions below compute the grid with no process group at all (the tests check every
 factorisation of 1..8 against them); `ProcessGroupManager` builds the real groups from them.
 """
+import datetime
 import itertools
 
 import torch
@@ -54,9 +55,16 @@ class ProcessGroupManager:
 
     Attributes follow one pattern: `<axis>_rank`, `<axis>_size`, `<axis>_group`, and
     `<axis>_group_ranks` (the members, in global ranks), for axis in dp, pp, cp, tp and the
-    combined cp_dp (gradients are averaged over it: both axes see different tokens)."""
+    combined cp_dp (gradients are averaged over it: both axes see different tokens). With
+    pp > 1, `pp_ends_group` holds the first and last stage of this rank's pipeline (the tied
+    embedding's two copies sum their gradients there).
 
-    def __init__(self, dp: int, pp: int, cp: int, tp: int, rank: int = None, timeout=None):
+    Sizes are keywords only, so a call cannot swap two axes: ProcessGroupManager(dp=2, tp=2),
+    or `from_config(config)` in training. Without a process group it still computes every
+    coordinate and member list (the groups are then None)."""
+
+    def __init__(self, *, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, rank: int = None,
+                 timeout: datetime.timedelta = None):
         world = dp * pp * cp * tp
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -89,6 +97,22 @@ class ProcessGroupManager:
         self.pp_next_rank = None if self.pp_is_last_stage else pp_ranks[self.pp_rank + 1]
         self.cp_send_rank = cp_ranks[(self.cp_rank + 1) % cp]
         self.cp_recv_rank = cp_ranks[(self.cp_rank - 1) % cp]
+        # The pipeline's two ends. Created whenever pp > 1, tied embeddings or not: new_group
+        # is collective, so the set of groups must not depend on anything but the grid.
+        self.pp_ends_group, self.pp_ends_group_ranks = None, None
+        if pp > 1:
+            for ranks in group_ranks(("pp",), dp, pp, cp, tp):
+                ends = [ranks[0], ranks[-1]]
+                group = dist.new_group(ends, timeout=timeout) if dist.is_initialized() else None
+                if rank in ranks:
+                    self.pp_ends_group, self.pp_ends_group_ranks = group, ends
+
+    @classmethod
+    def from_config(cls, config, rank: int = None) -> "ProcessGroupManager":
+        """The grid of `config.distributed`, its groups waiting up to `timeout_s` seconds."""
+        d = config.distributed
+        return cls(dp=d.dp_size, pp=d.pp_size, cp=d.cp_size, tp=d.tp_size, rank=rank,
+                   timeout=datetime.timedelta(seconds=d.timeout_s))
 
     def __repr__(self) -> str:
         return (f"rank {self.global_rank}/{self.world_size}: dp {self.dp_rank}/{self.dp_size} "

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from picotron.data import DataError
+from picotron.errors import DataError
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",

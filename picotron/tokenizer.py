@@ -11,7 +11,7 @@ to exactly the ids it was trained on.
 """
 import os
 
-from picotron.data import DataError
+from picotron.errors import DataError
 
 
 class TokenizerError(DataError):

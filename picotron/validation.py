@@ -31,9 +31,7 @@ def validation_loss(model, loss_fn, val_data, config, pgm, device) -> float:
             if loss is None:        # not the last stage: its share of the sums is zero
                 continue
         else:
-            # logits (B, T, V), or hidden (B, T, C) for a loss that applies the head itself
-            out = model(inputs, positions, head=not getattr(loss_fn, "applies_head", False))
-            loss = loss_fn(out, targets)
+            loss = loss_fn(model(inputs, positions), targets)
         # loss_fn is the token mean (vocab-parallel under TP): times the count, a sum
         total += torch.stack([loss.double() * targets.numel(), torch.tensor(
             targets.numel(), dtype=torch.float64, device=device)])

@@ -19,14 +19,13 @@ from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 config_path, steps, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo")
 config = load_config(config_path, world_size=dist.get_world_size())
-d = config.distributed
-pgm = ProcessGroupManager(d.dp_size, d.pp_size, d.cp_size, d.tp_size)
+pgm = ProcessGroupManager.from_config(config)
 data, _ = build_train_val(config, os.path.dirname(config_path))
 per_step = []
 for step in range(steps):
     windows = []
     for micro in range(config.training.gradient_accumulation_steps):
-        inputs, targets = micro_batch(data, step, micro, config, pgm.dp_rank)
+        inputs, targets = micro_batch(data, step, micro, config, pgm)
         windows += torch.cat([inputs, targets[:, -1:]], dim=1).tolist()   # (mbs, T+1)
     per_step.append(windows)
 with open(os.path.join(out_dir, f"rank{pgm.global_rank}.json"), "w") as f:

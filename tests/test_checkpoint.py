@@ -87,7 +87,8 @@ import picotron.checkpoint as ck
 from tiny import one_process_group
 from picotron.config import Config
 from picotron.data_parallel import DistributedAdamW, GradBuckets
-from picotron.model import Decoder, causal_lm_loss, materialize
+from picotron.loss import causal_lm_loss
+from picotron.model import Decoder, materialize
 config = Config()
 config.model.hidden_size, config.model.intermediate_size, config.model.num_hidden_layers = 32, 64, 1
 pgm = one_process_group()

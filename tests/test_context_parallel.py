@@ -1,13 +1,14 @@
-"""Context parallelism (issue 7): zigzag sharding, ring attention alone, balance, training parity.
+"""Context parallelism: zigzag sharding, ring attention alone, balance, training parity.
 
 Every check compares against one process computing the same thing on the whole sequence, in
 fp32, never against stored numbers. Tolerances:
 - attention alone: max |cp - full| / max |full| <= 1e-5 for outputs and dQ/dK/dV (the block
   merge and the recomputed backward reorder fp32 sums; observed ~1e-6);
-- training: the loss of every step within 1e-5 relative of the single process (DESIGN.md's
-  numerics contract; observed ~1e-7), final weights within rtol 1e-5, atol 1e-6 (observed
-  ~2e-8; a wrong gradient scale or a misplaced token moves them by ~1e-5 and more: the
-  learning rate during these warm-up steps is 3e-5..1.5e-4 per step).
+- training: the loss of every step within 1e-5 relative of the single process (the
+  numerics contract: every layout trains like one process; observed ~1e-7), final weights
+  within rtol 1e-5, atol 1e-6 (observed ~2e-8; a wrong gradient scale or a misplaced token
+  moves them by ~1e-5 and more: the learning rate during these warm-up steps is
+  3e-5..1.5e-4 per step).
   Checked by breaking the code on purpose (cp=2): RoPE without the zigzag positions, or
   gradients averaged over dp only, each move the final weights by ~8e-4 (the loss by only
   ~1e-5: near initialisation the loss barely depends on them, so the weights are the sharp

@@ -11,7 +11,7 @@ the validation losses and the final weights. Our Triton kernels (model.kernels=t
 readable ones, in fp32 and bf16; our kernels with "selective" recomputation; fp16 with loss
 scaling; and dp=2 over NCCL with ZeRO stages
 0 and 2, where the gradient hooks (bucket all-reduce or reduce-scatter) fire after the
-backward graph. (Calls 3 and 5 of session 5 ran all but the fp16 case: 0.0 differences.)
+backward graph. (measured: see bench/NOTES.md)
 """
 import os
 import sys

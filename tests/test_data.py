@@ -14,8 +14,10 @@ from tiny import documents, tiny_tokenizer, write_formats
 from picotron.config import Config
 from picotron.data import (DataError, StepBatches, SyntheticData, build_data, build_train_val,
                            check_data_state, data_state, micro_batch)
+from picotron.process_group_manager import ProcessGroupManager
 
 SEQ = 32
+ONE_PROCESS = ProcessGroupManager()       # dp 1: a step's whole batch
 
 
 def config_for(name: str, **training) -> Config:
@@ -30,7 +32,7 @@ def step_windows(data, config, step: int) -> list:
     """Every window of a step's global batch, in global-index order (one process, dp=1)."""
     out = []
     for micro in range(config.training.gradient_accumulation_steps):
-        x, y = micro_batch(data, step, micro, config, 0)
+        x, y = micro_batch(data, step, micro, config, ONE_PROCESS)
         out += torch.cat([x, y[:, -1:]], dim=1).tolist()
     return out
 
@@ -164,11 +166,11 @@ def test_step_batches_are_the_layouts_share_prefetched_or_not():
     config = config_for("synthetic", micro_batch_size=2, gradient_accumulation_steps=2)
     config.distributed.dp_size, config.distributed.cp_size = 2, 2
     data = SyntheticData(SEQ, 50, 7)
-    pgm = collections.namedtuple("Grid", "dp_rank cp_rank cp_size")
+    pgm = collections.namedtuple("Grid", "dp_rank dp_size cp_rank cp_size")
     for dp_rank in range(2):
-        full, full_targets = micro_batch(data, 3, 1, config, dp_rank)      # (2, SEQ)
+        full, full_targets = micro_batch(data, 3, 1, config, pgm(dp_rank, 2, 0, 1))  # (2, SEQ)
         for cp_rank in range(2):
-            batches = StepBatches(data, config, pgm(dp_rank, cp_rank, 2), torch.device("cpu"))
+            batches = StepBatches(data, config, pgm(dp_rank, 2, cp_rank, 2), torch.device("cpu"))
             inputs, targets, positions = batches.get(3, 1)
             assert inputs.shape == targets.shape == positions.shape == (2, SEQ // 2)
             assert torch.equal(inputs, full.gather(1, positions))           # tokens at positions

@@ -17,8 +17,10 @@ from picotron.config import Config, ModelConfig
 from picotron.data import build_data, micro_batch
 from picotron.generate import filter_top_k, load_for_inference, sample
 from picotron.hf_io import export_hf, load_hf_weights
-from picotron.model import Decoder, causal_lm_loss, materialize
+from picotron.loss import causal_lm_loss
+from picotron.model import Decoder, materialize
 from picotron.presets import resolve_model
+from picotron.process_group_manager import ProcessGroupManager
 
 
 def our_model(cfg: ModelConfig, seed: int = 0):
@@ -117,7 +119,7 @@ def test_train_from_hf_weights_export_and_generate(tmp_path):
     launch(path, 1)
     from picotron.config import load_config
     config = load_config(path)
-    x, y = micro_batch(build_data(config), 0, 0, config, 0)
+    x, y = micro_batch(build_data(config), 0, 0, config, ProcessGroupManager())
     with torch.no_grad():
         expected = causal_lm_loss(hf(x).logits, y).item()
     assert abs(read_metrics(path)[0]["loss"] - expected) < 1e-5

@@ -1,7 +1,7 @@
 """The CUDA-only fast paths against the readable PyTorch references, forward and backward.
 
-Each op of both fast namespaces, model.kernels = "liger" and "triton" (our kernels with fused
-projections), and the whole model with each. Skipped without a GPU (CI has none; the Triton
+Each module of both fast kinds, model.kernels = "liger" and "triton" (our kernels with fused
+projections: the subclasses speed/kernels.py swaps in), and the whole model with each. Skipped without a GPU (CI has none; the Triton
 kernels' own tests run there in Triton's interpreter): run on the device with `python -m
 pytest tests/test_kernels_gpu.py`. Inputs are fresh random draws at SmolLM-360M's widths
 (C=960, I=2560, D=64, 15/5 heads), never zeros.
@@ -14,18 +14,20 @@ must also be as close to an fp64 reference as the bf16 reference is, within a fa
 (plus bf16's own step), so a fast path cannot be "close to the reference" by sharing its
 error.
 """
-import types
+import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.func import functional_call
 
 from picotron.config import ModelConfig
+from picotron.loss import causal_lm_loss
+from picotron.model import Attention, LayerNorm, MLP, RMSNorm, rope_cos_sin
 from picotron.attention import sdpa_attention
-from picotron.model import (TORCH_KERNELS, Decoder, causal_lm_loss, materialize,
-                            resolve_kernels, rope_cos_sin)
-from picotron.ops.loss import LinearCrossEntropy, chunked_linear_cross_entropy
-from picotron.ops.triton_loss import triton_linear_cross_entropy
+from picotron.speed.kernels import fast_classes
+from picotron.speed.loss import chunked_linear_cross_entropy
+from picotron.speed.triton_loss import triton_linear_cross_entropy
+from speed_helpers import build_with_speed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = 1e-2
@@ -55,59 +57,62 @@ def check(fast, ref, inputs, dy):
 
 @pytest.fixture(scope="module", params=["liger", "triton"])
 def fast(request):
-    """Each fast op namespace (model.kernels), against TORCH_KERNELS."""
+    """{textbook class: fast subclass} of each kind (model.kernels)."""
     if request.param == "liger":
         pytest.importorskip("liger_kernel")
-    return resolve_kernels(request.param)
+    return fast_classes(request.param)
 
 
 def randn(*shape):
     return torch.randn(*shape, device="cuda").bfloat16()
 
 
-class Linear:
-    """A projection made of a given weight tensor, so that its gradient can be checked."""
-    def __init__(self, weight):
-        self.weight = weight
+def as_function(module, fast_class=None, extra=()):
+    """(x, *weights) -> module(x, *extra) with those weights, the module's class swapped for
+    `fast_class` when given: so `check` compares the weights' gradients too."""
+    module = copy.deepcopy(module)
+    if fast_class is not None:
+        module.__class__ = fast_class
+    names = [n for n, _ in module.named_parameters()]
+    return lambda x, *ws: functional_call(module, dict(zip(names, ws)), (x, *extra))
 
-    def __call__(self, x):
-        return F.linear(x, self.weight)
+
+CFG = ModelConfig(hidden_size=960, intermediate_size=2560, num_attention_heads=15,
+                  num_key_value_heads=5)
 
 
-@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
-def test_norms(fast, norm):
-    x, w = randn(4, 512, 960), (1 + 0.1 * torch.randn(960, device="cuda")).bfloat16()
-    check(lambda x, w: getattr(fast, norm)(x, w, 1e-5),
-          lambda x, w: getattr(TORCH_KERNELS, norm)(x, w, 1e-5), [x, w], [randn(4, 512, 960)])
+def test_norms(fast):
+    """Every norm the kind has a kernel for (liger: RMSNorm; LayerNorm stays F.layer_norm)."""
+    for norm in [n for n in (RMSNorm, LayerNorm) if n in fast]:
+        module = norm(960, 1e-5).cuda()
+        w = (1 + 0.1 * torch.randn(960, device="cuda")).bfloat16()
+        check(as_function(module, fast[norm]), as_function(module), [randn(4, 512, 960), w],
+              [randn(4, 512, 960)])
 
 
 @pytest.mark.parametrize("zigzag", [False, True])
-def test_qkv_rope(fast, zigzag):
-    """q, k, v projected from x and q, k rotated, at 360M's head counts (15 / 5 kv heads, D 64);
-    positions 0..T-1, or two distant chunks as a context-parallel rank holds them."""
+def test_attention(fast, zigzag):
+    """The attention block (q, k, v projected from x, q and k rotated, SDPA, o) at 360M's
+    head counts (15 / 5 kv heads, D 64); positions 0..T-1, or two distant chunks as a
+    context-parallel rank holds them."""
     B, T = 2, 256
     pos = torch.arange(T, device="cuda")
     if zigzag:
         pos = torch.cat([pos[:T // 2], pos[T // 2:] + 1000])
-    cos, sin = rope_cos_sin(pos.expand(B, T), 64, 10000.0, torch.bfloat16)
-    ws = [0.03 * randn(n, 960) for n in (960, 320, 320)]
-
-    def via(kernels):
-        def f(x, wq, wk, wv):
-            attn = types.SimpleNamespace(head_dim=64, q_proj=Linear(wq), k_proj=Linear(wk),
-                                         v_proj=Linear(wv))
-            return kernels.qkv_rope(x, attn, cos, sin)
-        return f
-    check(via(fast), via(TORCH_KERNELS), [randn(B, T, 960)] + ws,
-          [randn(B, 15, T, 64), randn(B, 5, T, 64), randn(B, 5, T, 64)])
+    pos = pos.expand(B, T)
+    cos, sin = rope_cos_sin(pos, 64, 10000.0, torch.bfloat16)
+    module = Attention(CFG, sdpa_attention).cuda()
+    ws = [0.03 * randn(*p.shape) for p in module.parameters()]
+    check(as_function(module, fast[Attention], (cos, sin, pos)),
+          as_function(module, None, (cos, sin, pos)), [randn(B, T, 960)] + ws,
+          [randn(B, T, 960)])
 
 
-def test_swiglu_in(fast):
-    def via(kernels):
-        return lambda x, wg, wu: kernels.swiglu_in(
-            x, types.SimpleNamespace(gate_proj=Linear(wg), up_proj=Linear(wu)))
-    check(via(fast), via(TORCH_KERNELS), [randn(4, 512, 960), 0.03 * randn(2560, 960),
-                                          0.03 * randn(2560, 960)], [randn(4, 512, 2560)])
+def test_mlp(fast):
+    module = MLP(CFG).cuda()
+    ws = [0.03 * randn(*p.shape) for p in module.parameters()]
+    check(as_function(module, fast[MLP]), as_function(module), [randn(4, 512, 960)] + ws,
+          [randn(4, 512, 960)])
 
 
 @pytest.mark.parametrize("impl", ["chunked", "liger", "triton"])
@@ -141,18 +146,14 @@ def test_model_with_fast_kernels_matches_torch(kernels, checkpointing, fused_los
     the fast kernels + fused-loss path (liger's or ours) against the reference path."""
     pytest.importorskip("liger_kernel")
     cfg = dict(vocab_size=4096, hidden_size=960, intermediate_size=2560, num_hidden_layers=4,
-               num_attention_heads=15, num_key_value_heads=5)
+               num_attention_heads=15, num_key_value_heads=5, tie_word_embeddings=True)
     ids = torch.randint(0, 4096, (2, 512), device="cuda")
     out = {}
-    for name, ops, ckpt in (("ref", "torch", "none"), ("fast", kernels, checkpointing)):
-        with torch.device("meta"):
-            model = Decoder(ModelConfig(**cfg, kernels=ops, tie_word_embeddings=True),
-                            sdpa_attention, ckpt)
-        materialize(model, 1, "cuda", torch.bfloat16)
-        if name == "ref":
-            loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
-        else:
-            loss = LinearCrossEntropy(model, fused_loss)(model(ids[:, :-1], head=False), ids[:, 1:])
+    for name, args in (("ref", ("torch", "none", None, "none")),
+                       ("fast", (kernels, checkpointing, None, fused_loss))):
+        model, loss_fn = build_with_speed(cfg, *args, device="cuda", dtype=torch.bfloat16,
+                                          seed=1)
+        loss = loss_fn(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()
         out[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     assert abs(out["fast"][0] - out["ref"][0]) < 1e-2 * out["ref"][0]

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from picotron.attention import eager_attention, flash_attention, sdpa_attention
 from picotron.config import ModelConfig
-from picotron.model import Decoder, causal_lm_loss, materialize
+from picotron.loss import causal_lm_loss
+from picotron.model import Decoder, materialize
 
 transformers = pytest.importorskip("transformers")   # a listed requirement: always present in CI
 
@@ -177,7 +178,7 @@ def test_cuda_graph_routing_runs_the_stack_in_training_only(monkeypatch):
     a training forward of the captured shape goes through the one LayerStack call and gives
     the eager loss and gradients exactly; eval, no-grad and other shapes run the eager layers."""
     from picotron.config import Config
-    from picotron.ops import cuda_graphs
+    from picotron.speed import cuda_graphs
     config = Config()
     config.model = ModelConfig(**TINY)
     config.training.micro_batch_size, config.training.seq_length = 2, 11

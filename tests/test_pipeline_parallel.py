@@ -170,7 +170,7 @@ import json, torch, torch.distributed as dist
 import train
 from picotron.config import config_from_dict
 from picotron.data import build_data, micro_batch
-from picotron.model import causal_lm_loss
+from picotron.loss import causal_lm_loss
 from picotron.pipeline_parallel.engine import run_steps, steps_for
 from picotron.pipeline_parallel.stage import rank_chunks
 from picotron.process_group_manager import ProcessGroupManager
@@ -181,10 +181,10 @@ for engine in ("afab", "1f1b"):
         "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4},
         "training": {"gradient_accumulation_steps": 8, "micro_batch_size": 1, "seq_length": 16,
                      "dtype": "float32"}, "dataset": {"name": "synthetic"}}, 4)
-    pgm = ProcessGroupManager(1, 4, 1, 1)
+    pgm = ProcessGroupManager(pp=4)
     model = train.build_model(config, pgm, torch.device("cpu"))
     data = build_data(config)
-    batch = lambda micro: micro_batch(data, 0, micro, config, 0) + (None,)
+    batch = lambda micro: micro_batch(data, 0, micro, config, pgm) + (None,)
     steps = steps_for(engine, 4, 8, 1, pgm.pp_rank)
     _, peaks[engine] = run_steps(model, steps, rank_chunks(config, pgm.pp_rank), batch,
                                  causal_lm_loss, config, pgm)

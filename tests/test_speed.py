@@ -1,4 +1,4 @@
-"""Issue 9's CPU-testable fast paths against their references: the chunked linear +
+"""The CPU-testable fast paths against their references: the chunked linear +
 cross-entropy loss, activation checkpointing, the config keys, and train.py with all of them.
 (The liger-kernel paths need CUDA: tests/test_kernels_gpu.py.)"""
 import json
@@ -9,10 +9,11 @@ import torch
 import create_config
 import train
 from picotron.config import ConfigError, ModelConfig, config_from_dict
-from picotron.attention import sdpa_attention
-from picotron.model import Decoder, causal_lm_loss, materialize
-from picotron.ops.loss import IGNORE_INDEX, LinearCrossEntropy, chunked_linear_cross_entropy
-import picotron.ops.loss as loss_module
+from picotron.loss import IGNORE_INDEX, causal_lm_loss
+from picotron.speed.loss import HeadInLoss, chunked_linear_cross_entropy
+import picotron.speed.loss as loss_module
+import picotron.speed.recompute as recompute_module
+from speed_helpers import build_with_speed
 
 TINY = dict(vocab_size=97, hidden_size=36, intermediate_size=70, num_hidden_layers=3,
             num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
@@ -66,7 +67,7 @@ def test_fused_loss_in_fp16_keeps_small_gradients(impl):
     fp16 loss's error (3.3e-4 / 3.9e-4 measured)."""
     if impl == "triton":
         pytest.importorskip("triton")
-        from picotron.ops.triton_loss import triton_linear_cross_entropy as fused
+        from picotron.speed.triton_loss import triton_linear_cross_entropy as fused
     else:
         fused = chunked_linear_cross_entropy
     device = "cuda" if torch.cuda.is_available() and impl == "triton" else "cpu"
@@ -89,18 +90,18 @@ def test_fused_loss_in_fp16_keeps_small_gradients(impl):
         assert rel_err(g, e) < 2 * rel_err(r, e), (rel_err(g, e), rel_err(r, e))
 
 
-def build(checkpointing="none", tied=True, checkpointed_layers=None):
-    with torch.device("meta"):
-        model = Decoder(ModelConfig(**TINY, tie_word_embeddings=tied), sdpa_attention,
-                        checkpointing, checkpointed_layers)
-    return materialize(model, 7, "cpu", torch.float32)
+def build(checkpointing="none", tied=True, checkpointed_layers=None, fused_loss="none",
+          chunk_tokens=0):
+    """The textbook model with the speed plug-ins the arguments ask for: (model, loss_fn)."""
+    return build_with_speed(dict(TINY, tie_word_embeddings=tied), "torch", checkpointing,
+                            checkpointed_layers, fused_loss, chunk_tokens)
 
 
-def loss_and_grads(model, loss_fn, head):
+def loss_and_grads(model, loss_fn):
     ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(3))
     tgt = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(4))
     model.zero_grad()
-    loss = loss_fn(model(ids, head=head), tgt)
+    loss = loss_fn(model(ids), tgt)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -109,14 +110,18 @@ def loss_and_grads(model, loss_fn, head):
 def test_model_with_fused_loss_matches_reference(tied, chunk_tokens, monkeypatch):
     """The head applied inside the loss (tied: the embedding gets both gradients); with
     training.loss_chunk_tokens = 7, 60 tokens go in 9 chunks, the last one short."""
-    model = build(tied=tied)
-    ref_loss, ref = loss_and_grads(model, causal_lm_loss, True)
+    ref_loss, ref = loss_and_grads(*build(tied=tied))
     rows = []
     chunked = loss_module.chunked_linear_cross_entropy
     monkeypatch.setattr(loss_module, "chunked_linear_cross_entropy",
                         lambda *a: rows.append(a[3]) or chunked(*a))
-    loss, got = loss_and_grads(model, LinearCrossEntropy(model, "chunked", chunk_tokens), False)
+    model, loss_fn = build(tied=tied, fused_loss="chunked", chunk_tokens=chunk_tokens)
+    assert isinstance(model.lm_head, HeadInLoss)         # the model now ends at the hidden
+    assert model.lm_head.weight is (model.embed_tokens.weight if tied else
+                                    model.lm_head.weight)
+    loss, got = loss_and_grads(model, loss_fn)
     assert rows == [chunk_tokens or loss_module.default_rows(60)]
+    assert got.keys() == ref.keys()                      # same parameter names
     assert abs(loss - ref_loss) < 1e-6 * ref_loss
     for name in ref:
         assert rel_err(got[name], ref[name]) < 1e-5, name
@@ -125,8 +130,8 @@ def test_model_with_fused_loss_matches_reference(tied, chunk_tokens, monkeypatch
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_is_exact(mode):
     """Recomputation reruns the same kernels on the same inputs: bitwise equal on CPU."""
-    ref_loss, ref = loss_and_grads(build(), causal_lm_loss, True)
-    loss, got = loss_and_grads(build(mode), causal_lm_loss, True)
+    ref_loss, ref = loss_and_grads(*build())
+    loss, got = loss_and_grads(*build(mode))
     assert loss == ref_loss
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
@@ -149,7 +154,7 @@ def test_selective_recomputes_pointwise_ops_but_no_matmul():
             return func(*args, **(kwargs or {}))
 
     def counts(mode):
-        model, ids = build(mode), torch.randint(0, 97, (2, 16))
+        (model, _), ids = build(mode), torch.randint(0, 97, (2, 16))
         with Count() as c:
             causal_lm_loss(model(ids), ids).backward()
         return c.n
@@ -166,16 +171,16 @@ def test_checkpointing_the_first_layers_only(mode, monkeypatch):
     """training.activation_checkpointing_layers = N: the first N layers go through torch's
     checkpoint (recompute.checkpointed), the others run plainly; the gradients stay bitwise
     the reference's for every N."""
-    import picotron.model as model_module
     wrapped = []
-    checkpointed = model_module.checkpointed
-    monkeypatch.setattr(model_module, "checkpointed",
-                        lambda layer, *a: wrapped.append(layer) or checkpointed(layer, *a))
-    ref_loss, ref = loss_and_grads(build(), causal_lm_loss, True)
+    checkpointed = recompute_module.checkpointed
+    monkeypatch.setattr(recompute_module, "checkpointed",
+                        lambda forward, *a: wrapped.append(forward.__self__)
+                        or checkpointed(forward, *a))
+    ref_loss, ref = loss_and_grads(*build())
     for n in range(TINY["num_hidden_layers"] + 1):
-        model = build(mode, checkpointed_layers=n)
+        model, loss_fn = build(mode, checkpointed_layers=n)
         wrapped.clear()
-        loss, got = loss_and_grads(model, causal_lm_loss, True)
+        loss, got = loss_and_grads(model, loss_fn)
         assert wrapped == [model.layers[str(i)] for i in range(n)]
         assert loss == ref_loss and all(torch.equal(got[k], ref[k]) for k in ref)
 
@@ -212,7 +217,8 @@ def test_config_checks_name_the_new_keys():
             config_from_dict({"model": TINY, "training": {
                 "activation_checkpointing": "full", "activation_checkpointing_layers": n}})
     with pytest.raises(ConfigError, match="which is 'none'; set it to 'full' or 'selective'"):
-        config_from_dict({"training": {"activation_checkpointing_layers": 2}})
+        config_from_dict({"training": {"activation_checkpointing_layers": 2},
+                          "distributed": {"use_cpu": True}})    # "auto" is "none" on CPU
     # ours recompute inside their own autograd function (triton_swiglu.swiglu_linear)
     config_from_dict({"model": {"kernels": "triton"},
                       "training": {"activation_checkpointing": "selective"}})

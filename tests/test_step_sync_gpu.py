@@ -18,8 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402
 import train  # noqa: E402
 from picotron.data import StepBatches, build_train_val  # noqa: E402
-from picotron.data_parallel import DistributedAdamW, GradBuckets  # noqa: E402
-from picotron.tensor_parallel import loss_function  # noqa: E402
 from picotron.utils import StepValues  # noqa: E402
 
 
@@ -31,10 +29,7 @@ def test_a_training_step_never_waits_for_the_gpu(tmp_path, monkeypatch, fused_lo
         "--set", f"training.fused_loss={fused_loss}", "--set", "training.dtype=bfloat16",
         "--set", "training.master_weights=false"])
     config, pgm, device = train.setup(path)
-    model = train.build_model(config, pgm, device)
-    grads = GradBuckets(model, pgm, config)
-    optimizer = DistributedAdamW(grads, pgm, config)
-    loss_fn = loss_function(pgm, config, model)
+    model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
     batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
 
     queued = {}

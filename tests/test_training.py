@@ -1,4 +1,4 @@
-"""Single-process training on CPU: it learns, it logs what DESIGN.md promises, and a CPU run
+"""Single-process training on CPU: it learns, it logs the metrics the README lists, and a CPU run
 never touches CUDA."""
 import json
 import math

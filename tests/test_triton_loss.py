@@ -1,4 +1,4 @@
-"""picotron/ops/triton_loss.py (training.fused_loss="triton") against torch's cross_entropy on the
+"""picotron/speed/triton_loss.py (training.fused_loss="triton") against torch's cross_entropy on the
 full logits: loss, gradient of the hidden states and of the head weight.
 
 Runs on a GPU, and on CPU in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET) with
@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
-from picotron.ops import triton_loss  # noqa: E402
-from picotron.ops.loss import IGNORE_INDEX, LinearCrossEntropy  # noqa: E402
+from picotron.speed import triton_loss  # noqa: E402
+from picotron.loss import IGNORE_INDEX  # noqa: E402
+from picotron.speed.loss import HeadInLoss, LinearCrossEntropy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -110,10 +111,9 @@ def test_no_host_sync():
 
 
 def test_linear_cross_entropy_option_uses_it():
-    """training.fused_loss="triton" through the loss object train.py builds: the model's head."""
+    """training.fused_loss="triton" through the loss object train.py builds: the head's weight,
+    moved into the loss."""
     h, w, t = problem(torch.float32)
-    head = torch.nn.Linear(24, 300, bias=False, device=DEVICE)
-    head.weight.data.copy_(w)
-    model = type("M", (), {"lm_head": head})()
-    loss = LinearCrossEntropy(model, "triton")(h[None], t[None])
+    head = HeadInLoss(torch.nn.Parameter(w.clone()))
+    loss = LinearCrossEntropy(head, "triton")(h[None], t[None])
     assert abs(loss - reference(t)(h, w)) < 1e-5 * loss

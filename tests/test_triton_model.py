@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 from picotron.config import ModelConfig  # noqa: E402
-from picotron.attention import sdpa_attention  # noqa: E402
-from picotron.model import Decoder, causal_lm_loss, materialize  # noqa: E402
+from picotron.loss import causal_lm_loss  # noqa: E402
+from speed_helpers import build_with_speed  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LLAMA = dict(hidden_size=36, intermediate_size=52, num_attention_heads=6,
@@ -37,14 +37,11 @@ def test_triton_kernels_match_reference(shape, checkpointing, layers):
     ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out = {}
     for kernels, ckpt in (("torch", "none"), ("triton", checkpointing)):
-        cfg = ModelConfig(vocab_size=97, num_hidden_layers=2, tie_word_embeddings=True,
-                          kernels=kernels, **shape)
-        with torch.device("meta"):
-            model = Decoder(cfg, sdpa_attention, ckpt, layers)
-        materialize(model, 3, DEVICE, torch.float32)
+        model, _ = build_with_speed(dict(vocab_size=97, num_hidden_layers=2,
+                                         tie_word_embeddings=True, **shape), kernels, ckpt,
+                                    layers if ckpt != "none" else None, device=DEVICE, seed=3)
         if kernels == "triton":
-            recomputing = [model.layers[k].mlp.kernels.mlp.__name__ == "mlp_recomputing_swiglu"
-                           for k in ("0", "1")]
+            recomputing = [model.layers[k].mlp.recompute_swiglu for k in ("0", "1")]
             assert recomputing == [ckpt == "selective", ckpt == "selective" and layers is None]
         loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()
@@ -59,7 +56,7 @@ def test_recomputing_mlp_sums_tensor_parallel_partials():
     through down_proj's forward, so it must still call the row-parallel layer's `reduce` (the
     all-reduce or reduce-scatter of tensor parallelism). A `reduce` that doubles shows it."""
     from picotron.model import MLP
-    from picotron.ops.fused import triton_kernels
+    from picotron.speed.triton_layers import TritonMLP
 
     class DoublingDown(torch.nn.Linear):
         def reduce(self, partial):
@@ -67,9 +64,11 @@ def test_recomputing_mlp_sums_tensor_parallel_partials():
 
     cfg = ModelConfig(**LLAMA)
     torch.manual_seed(0)
-    mlps = {name: MLP(cfg, kernels).to(DEVICE) for name, kernels in
-            (("keep", triton_kernels()), ("recompute", triton_kernels(recompute_swiglu=True)))}
+    mlps = {name: MLP(cfg).to(DEVICE) for name in ("keep", "recompute")}
     mlps["recompute"].load_state_dict(mlps["keep"].state_dict())
+    for name, m in mlps.items():
+        m.__class__ = TritonMLP          # as speed/kernels.py swaps it
+    mlps["recompute"].recompute_swiglu = True      # as speed/recompute.py's "selective" sets
     x = torch.randn(2, 5, cfg.hidden_size, device=DEVICE)
     plain = {name: m(x) for name, m in mlps.items()}
     assert rel(plain["recompute"], plain["keep"]) < 1e-6

@@ -1,4 +1,4 @@
-"""Our Triton RMSNorm and LayerNorm (picotron/ops/triton_norms.py) against the references in
+"""Our Triton RMSNorm and LayerNorm (picotron/speed/triton_norms.py) against the references in
 model.py: the output, dx and dweight, in the input dtype and in float64.
 
 Runs on CUDA where there is a GPU, else on CPU through Triton's interpreter (conftest.py sets
@@ -22,17 +22,15 @@ holds whatever was there) cannot hide inside a norm.
 import pytest
 import torch
 
-from picotron import model
-from picotron.ops import triton_norms
+from picotron.model import layer_norm, rms_norm
+from picotron.speed import triton_norms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 5, 36), (4, 33, 100), (5, 13, 576), (2, 7, 960)]
 if DEVICE == "cuda":
     SHAPES += [(16, 2048, 960), (4, 2048, 2048), (2, 1024, 8192)]
-NORMS = {"rms_norm": (triton_norms.rms_norm, model.rms_norm),
-         "layer_norm": (triton_norms.layer_norm, model.layer_norm)}
-ADD_NORMS = {"rms_norm": (triton_norms.add_rms_norm, model.TORCH_KERNELS.add_rms_norm),
-             "layer_norm": (triton_norms.add_layer_norm, model.TORCH_KERNELS.add_layer_norm)}
+NORMS = {"rms_norm": (triton_norms.rms_norm, rms_norm),
+         "layer_norm": (triton_norms.layer_norm, layer_norm)}
 EPS = 1e-5
 
 
@@ -120,44 +118,3 @@ def test_backward_leaves_dy_alone(norm):
     assert torch.equal(dy, before)
     assert dx.data_ptr() != dy.data_ptr()
 
-
-def run_residual(fn, x, delta, w, dh, dy):
-    """fn's (h, y) and the gradients of <h, dh> + <y, dy> w.r.t. x, delta and w."""
-    x, delta, w = (t.detach().requires_grad_() for t in (x, delta, w))
-    h, y = fn(x, delta, w, EPS)
-    torch.autograd.backward((h, y), (dh, dy))
-    return h.detach(), y.detach(), x.grad, delta.grad, w.grad
-
-
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_residual_form_matches_reference(norm, dtype, shape):
-    """(h, y) = (x + delta, norm(x + delta)), the decoder layer's second residual add and
-    norm in one kernel each way, against model.with_residual's add then norm. The oracle adds
-    in float64 and so never rounds h; the bf16 reference rounds h once, as the kernel does.
-    dh (the residual stream's gradient) must come back added into dx and ddelta."""
-    torch.manual_seed(0)
-    x, w, dy = inputs(shape, dtype, dtype)
-    delta, dh = (torch.randn(shape, device=DEVICE).to(dtype) for _ in "dh")
-    fast, ref = ADD_NORMS[norm]
-    got = run_residual(fast, x, delta, w, dh, dy)
-    want = run_residual(ref, x, delta, w, dh, dy)
-    exact = run_residual(ref, *(t.double() for t in (x, delta, w, dh, dy)))
-    for name, g, r, e in zip(("h", "y", "dx", "ddelta", "dw"), got, want, exact):
-        compare(name, g, r, e, bf16=dtype == torch.bfloat16)
-
-
-def test_residual_form_strided_delta():
-    """delta as a column slice of a wider tensor (its row stride differs from x's), and an
-    unused h (its gradient arrives as zeros): still the reference's numbers."""
-    torch.manual_seed(0)
-    x, w, dy = inputs((5, 13, 100), torch.float32, torch.float32)
-    delta = torch.randn(5, 13, 160, device=DEVICE)[..., :100]
-    dh = torch.zeros_like(x)
-    fast, ref = ADD_NORMS["rms_norm"]
-    got = run_residual(fast, x, delta, w, dh, dy)
-    want = run_residual(ref, x, delta, w, dh, dy)
-    exact = run_residual(ref, *(t.double() for t in (x, delta, w, dh, dy)))
-    for name, g, r, e in zip(("h", "y", "dx", "ddelta", "dw"), got, want, exact):
-        compare(name, g, r, e, bf16=False)

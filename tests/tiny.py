@@ -13,7 +13,7 @@ def one_process_group() -> ProcessGroupManager:
     """A 1-rank gloo group in this process (checkpoint saving uses barriers)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return ProcessGroupManager(1, 1, 1, 1)
+    return ProcessGroupManager()
 
 
 def documents(n: int, length: int = None) -> list:

@@ -21,10 +21,10 @@ at every other step, 2cp+1 in all: the same work everywhere (tests/test_context_
 counts them).
 
 Per-block results merge with the log-sum-exp, kept in fp32 whatever the activation dtype: in
-bf16 the merge error grows with the ring size (see PITFALLS.md). The backward pass recomputes
-each block from the saved q, k, v, the final output and lse (FlashAttention-2 style) and sends
-each block's dK/dV on around the ring with its K/V; after cp hops they arrive back at their
-owner, summed over all ranks' queries.
+bf16 the merge error grows with the ring size and can blow up the backward pass. The backward
+pass recomputes each block from the saved q, k, v, the final output and lse (FlashAttention-2
+style) and sends each block's dK/dV on around the ring with its K/V; after cp hops they arrive
+back at their owner, summed over all ranks' queries.
 """
 import torch
 import torch.distributed as dist

@@ -80,9 +80,8 @@ class Bucket:
 
 def gradient_order(model):
     """The trainable parameters, modules last to first (roughly backward's order), each
-    module's own parameters kept in definition order: q, k, v (and gate, up) then lie back to
-    back in a bucket, in that order, and the fused projections use them in place instead of
-    concatenating them every step (picotron/ops/fused_linear.py, `stacked`)."""
+    module's own parameters kept in their definition order, so that a module's weights lie
+    back to back in a bucket (q, k, v; gate, up), as one flat weight would."""
     runs = []                       # (parent module name, its consecutive parameters)
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -12,27 +12,17 @@ whole bucket when zero_stage is 0):
   gradient goes down and the updated values come back each step.
 After the step, ZeRO ranks all-gather the updated shards so every replica has every weight.
 
-AdamW is elementwise, so running it on flat shards is the same math as on whole parameters.
-The step: torch's foreach AdamW (the reference) on CPU, for offloaded shards, and with
-`training.use_fused_adam` false; otherwise one Triton kernel per shard
-(picotron/ops/triton_adamw.py) that also unscales, clips and writes the bf16 weights.
+AdamW is elementwise, so running it on flat shards is the same math as on whole parameters:
+torch's foreach AdamW, one optimizer for the shards on the device and one for those on the
+CPU. A step: the global gradient norm, a skip if it is not finite (fp16 overflow), the clip
+and unscale factor, `update` (AdamW), then the ZeRO all-gather. A faster update can replace
+`update` and `step` in a subclass; this class is the reference it is tested against.
 """
 import torch
 import torch.distributed as dist
 
 from picotron.comm import all_gather_single
-from picotron.config import MissingPackage
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
-
-
-def _triton_adamw():
-    try:
-        from picotron.ops.triton_adamw import adamw_step
-    except ImportError as e:
-        raise MissingPackage("training.use_fused_adam=true on a GPU (AdamW as one Triton "
-                             "kernel)", "the triton package (`pip install triton`)",
-                             "or set training.use_fused_adam=false", e) from None
-    return adamw_step
 
 
 class DistributedAdamW:
@@ -56,7 +46,8 @@ class DistributedAdamW:
                 master = shard                         # update the parameters in place
             self.masters.insert(0, master)
             self.offloaded.insert(0, offload)
-        self.optimizers, self.triton = [], False
+        self.optimizers = []            # [on the device, on the CPU], those that have shards
+        self.offload_optimizer = None   # the one that steps the CPU-offloaded masters
         for on_cpu in (False, True):
             mine = [(b, m) for b, m, o in zip(grads.buckets, self.masters, self.offloaded)
                     if o == on_cpu]
@@ -66,14 +57,11 @@ class DistributedAdamW:
                        "weight_decay": t.weight_decay},
                       {"params": [m for b, m in mine if not b.weight_decay], "weight_decay": 0.0}]
             groups = [g for g in groups if g["params"]]
-            # On a GPU with use_fused_adam, picotron/ops/triton_adamw.py steps these tensors
-            # (this AdamW then only holds groups and state); otherwise torch's foreach AdamW.
-            self.triton = t.use_fused_adam and mine[0][1].device.type == "cuda" or self.triton
             self.optimizers.append(torch.optim.AdamW(
                 groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                 foreach=True))
-        # resolved now, so a missing triton stops the build, not the first step
-        self.adamw_step = _triton_adamw() if self.triton else None
+            if on_cpu:
+                self.offload_optimizer = self.optimizers[-1]
 
     def global_grad_norm(self):
         """L2 norm of the whole model's gradient, from this rank's shards.
@@ -102,53 +90,50 @@ class DistributedAdamW:
             dist.all_reduce(total, group=pgm.pp_group)
         return total.sqrt()
 
+    def clip_factor(self, norm):
+        """The factor that brings the gradient norm down to training.max_grad_norm (at most 1;
+        1 when clipping is off), a device scalar."""
+        max_norm = self.config.training.max_grad_norm
+        if max_norm <= 0:
+            return torch.ones_like(norm)
+        return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
     def step(self, lr: float):
         """Unscale, clip to training.max_grad_norm, step, share the updated shards.
 
         Returns (grad norm, skipped). With fp16 loss scaling a non-finite norm (some rank
-        overflowed: the norm is reduced over every axis, so all ranks agree) skips the step.
-        On the Triton path without loss scaling, `skipped` is a device bool: nothing here waits
-        for the norm, and the kernel itself skips a non-finite step."""
+        overflowed: the norm is reduced over every axis, so all ranks agree) skips the step;
+        reading the norm here makes the host wait for the device, once a step."""
         scale = self.scaler.scale
         norm = self.global_grad_norm() / scale
-        finite = torch.isfinite(norm)
-        skipped = ~finite                          # a device bool on the Triton path
-        if self.scaler.enabled or not self.triton:
-            # The host decides (a sync): fp16's scaler needs to know, and the torch path cannot
-            # skip on the device. The Triton path skips on the device and never waits here.
-            if not finite.item():
-                self.scaler.update(overflow=True)
-                return norm, True
-            self.scaler.update(overflow=False)
-            skipped = False
-        max_norm = self.config.training.max_grad_norm
-        clip = (torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0
-                else torch.ones_like(norm))
-        scalars = torch.stack([clip / scale, (~finite).float()])   # read by the Triton kernel
-        on_device, writes = {}, {}
-        for b, master, shard, offload in zip(self.grads.buckets, self.masters,
-                                             self.param_shards, self.offloaded):
-            g = self.grads.grad_shard(b)
-            if self.triton and not offload:
-                on_device[master] = g                 # unscaled: the kernel multiplies
-                if master is not shard:
-                    writes[master] = shard
-            else:
-                g = g.float() if g.dtype != torch.float32 else g   # scaled in fp32
-                master.grad = g.mul_(scalars[0]).to(device=master.device, dtype=master.dtype)
+        if not torch.isfinite(norm).item():
+            self.scaler.update(overflow=True)
+            return norm, True
+        self.scaler.update(overflow=False)
+        self.update(lr, self.clip_factor(norm) / scale)
+        self.grads.all_gather_params()
+        return norm, False
+
+    def update(self, lr: float, grad_mul, on_cpu_only: bool = False):
+        """AdamW on every master (or only the CPU-offloaded ones), its gradient being this
+        rank's gradient shard times `grad_mul` (clip / loss scale, a device scalar), computed
+        in fp32; then the updated masters are copied into the parameters they stand for."""
+        for b, master, offload in zip(self.grads.buckets, self.masters, self.offloaded):
+            if offload or not on_cpu_only:
+                g = self.grads.grad_shard(b)
+                g = g.float() if g.dtype != torch.float32 else g     # scaled in place if fp32
+                master.grad = g.mul_(grad_mul).to(device=master.device, dtype=master.dtype)
         for opt in self.optimizers:
+            if on_cpu_only and opt is not self.offload_optimizer:
+                continue
             for group in opt.param_groups:
                 group["lr"] = lr
-            if self.triton and opt is self.optimizers[0]:
-                self.adamw_step(opt, on_device, writes, scalars)
-            else:
-                opt.step()
+            opt.step()
         for master, shard, offload in zip(self.masters, self.param_shards, self.offloaded):
-            master.grad = None
-            if master is not shard and not (self.triton and not offload):
-                shard.copy_(master, non_blocking=True)
-        self.grads.all_gather_params()
-        return norm, skipped
+            if offload or not on_cpu_only:
+                master.grad = None
+                if master is not shard:
+                    shard.copy_(master, non_blocking=True)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: moments plus master copies."""

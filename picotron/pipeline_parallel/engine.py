@@ -42,11 +42,10 @@ def steps_for(engine: str, pp: int, micro_batches: int, v: int, rank: int) -> tu
     return tuple(rank_steps(timeline(schedule_orders(engine, pp, micro_batches, v), v), rank, v))
 
 
-def forward_step(model, inputs, position_ids, chunk_layers, head=True):
-    """inputs: token ids (B, T) or hidden states (B, T, C) -> (B, T, C), or logits (B, T, V)
-    after the model's last layer (unless the loss applies the head itself: head=False).
-    position_ids (B, T): every stage needs them for RoPE."""
-    return model(inputs, position_ids, layers=chunk_layers, head=head)
+def forward_step(model, inputs, position_ids, chunk_layers):
+    """inputs: token ids (B, T) or hidden states (B, T, C) -> (B, T, C), or the model's
+    output (logits) after its last layer. position_ids (B, T): every stage needs them (RoPE)."""
+    return model(inputs, position_ids, layers=chunk_layers)
 
 
 def backward_step(output, grad_output):
@@ -65,7 +64,7 @@ def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=
     pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
     last_stage = pp * len(chunks) - 1
     accum = config.training.gradient_accumulation_steps
-    spec = message_spec(config)
+    spec = message_spec(config, pgm)
     device = next(model.parameters()).device
     total = torch.zeros((), device=device)
     stash = {}      # (chunk, micro) -> (input, output): the activations alive on this rank
@@ -85,8 +84,7 @@ def run_steps(model, steps, chunks, get_batch, loss_fn, config, pgm, loss_scale=
                     inputs = get_batch(a.micro)[0]                                # (B, T)
                 else:      # a leaf, so its .grad is what goes back to the previous stage
                     inputs = inbox.pop(("act", s, a.micro)).requires_grad_()     # (B, T, C)
-                output = forward_step(model, inputs, get_batch(a.micro)[2], chunks[a.chunk],
-                                      head=not getattr(loss_fn, "applies_head", False))
+                output = forward_step(model, inputs, get_batch(a.micro)[2], chunks[a.chunk])
                 if s == last_stage:
                     output = loss_fn(output, get_batch(a.micro)[1]) / accum
                     total += output.detach()
@@ -127,14 +125,13 @@ def pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm):
     pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
     chunks = rank_chunks(config, rank)
     last = pp * len(chunks) - 1
-    (_, T, C), dtype = message_spec(config)
-    applies_head = getattr(loss_fn, "applies_head", False)
+    (_, T, C), dtype = message_spec(config, pgm)
     x, loss = inputs, None                          # token ids (B, T) on the first stage
     for s in range(rank, last + 1, pp):             # this rank's virtual stages, in order
         if s > 0:
             x = torch.empty((inputs.shape[0], T, C), dtype=dtype, device=inputs.device)
             exchange([], [(x, ranks[(s - 1) % pp])], pgm.pp_group)
-        out = forward_step(model, x, positions, chunks[s // pp], head=not applies_head)
+        out = forward_step(model, x, positions, chunks[s // pp])
         if s == last:
             loss = loss_fn(out, targets)
         else:

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 
-def message_spec(config) -> tuple:
+def message_spec(config, pgm) -> tuple:
     """(shape, dtype) of every activation and gradient sent between stages: (B, T, C), T this
     rank's share of the sequence (over cp, and over tp under sequence parallelism)."""
-    t, d = config.training, config.distributed
-    T = t.seq_length // d.cp_size // (d.tp_size if d.sequence_parallel else 1)
+    t, sp = config.training, config.distributed.sequence_parallel
+    T = t.seq_length // pgm.cp_size // (pgm.tp_size if sp else 1)
     return (t.micro_batch_size, T, config.model.hidden_size), getattr(torch, t.dtype)
 
 

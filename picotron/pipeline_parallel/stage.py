@@ -9,11 +9,6 @@ the first stage, the final norm and the head on the last.
 Layers keep their global keys ("0".."L-1") in the model's ModuleDict, so every parameter keeps
 the name it has in one process: initial values, checkpoints and tests do not depend on pp.
 """
-import datetime
-
-import torch.distributed as dist
-
-from picotron.process_group_manager import group_ranks
 
 
 def virtual_stages(config) -> int:
@@ -69,40 +64,26 @@ def apply_pipeline_parallel(model, pgm, config):
     pp > 1, the first stage's embedding and the last stage's head cannot share one Parameter:
     the last stage keeps its own copy, drawn from the seed under the name
     "embed_tokens.weight" (`tied_name`), so both copies start equal. Each end then holds part
-    of the gradient (embedding use, head use): both are marked with `grad_sum_group`, a group
-    of the two ends, and the gradient buckets sum them there before averaging over cp_dp, so
-    both copies get the whole gradient and the same update. The copy is left out of the
-    gradient norm (`grad_norm_skip`) and of checkpoints (`tied_name`)."""
+    of the gradient (embedding use, head use): both are marked with `grad_sum_group`, the
+    manager's `pp_ends_group` of the two ends, and the gradient buckets sum them there before
+    averaging over cp_dp, so both copies get the whole gradient and the same update. The copy
+    is left out of the gradient norm (`grad_norm_skip`) and of checkpoints (`tied_name`)."""
     if pgm.pp_size == 1:
         return model
     keep = {key for chunk in rank_chunks(config, pgm.pp_rank) for key in chunk}
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
-    ends = tied_ends_group(pgm, config)
+    tied = config.model.tie_word_embeddings
     if not pgm.pp_is_first_stage:
         model.embed_tokens = None
-    elif ends is not None:
-        model.embed_tokens.weight.grad_sum_group = ends
+    elif tied:
+        model.embed_tokens.weight.grad_sum_group = pgm.pp_ends_group
     if not pgm.pp_is_last_stage:
         model.norm, model.lm_head = None, None
-    elif ends is not None:
+    elif tied:
         head = model.lm_head.weight           # the tied Parameter, now the head's alone
         head.tied_name = "embed_tokens.weight"
         head.grad_norm_skip = True
-        head.grad_sum_group = ends
+        head.grad_sum_group = pgm.pp_ends_group
     return model
-
-
-def tied_ends_group(pgm, config):
-    """The process group {first stage, last stage} of this rank's pipeline, or None (untied).
-    new_group is collective: every rank creates the group of every pipeline, in one order."""
-    if not config.model.tie_word_embeddings:
-        return None
-    timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
-    mine = None
-    for ranks in group_ranks(("pp",), pgm.dp_size, pgm.pp_size, pgm.cp_size, pgm.tp_size):
-        group = dist.new_group([ranks[0], ranks[-1]], timeout=timeout)
-        if pgm.global_rank in ranks:
-            mine = group
-    return mine

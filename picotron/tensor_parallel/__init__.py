@@ -1,6 +1,5 @@
 """Tensor parallelism (Megatron-LM): column/row-parallel linears, vocab-parallel embedding,
-head and cross-entropy, the f/g operators, and optional sequence parallelism.
+head, the f/g operators, and optional sequence parallelism.
 
 Entered like every axis: `apply_tensor_parallel(model, pgm, config)` on the meta model."""
-from picotron.tensor_parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel,  # noqa: F401
-                                                      loss_function)
+from picotron.tensor_parallel.tensor_parallel import TP_PLAN, apply_tensor_parallel  # noqa: F401

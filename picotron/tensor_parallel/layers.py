@@ -80,7 +80,7 @@ class RowParallelLinear(nn.Module):
 
     def reduce(self, partial):
         """g on this rank's partial product (B, T, O); a fused op that computes the product
-        itself calls it too (picotron/ops/fused.py)."""
+        itself calls it too."""
         return leave_tp(partial, self.tp_group, self.sequence_parallel)
 
 

@@ -20,7 +20,7 @@ only their chunk of the sequence, so their gradients are summed over TP in the d
 gradient buckets (they are marked with `grad_sum_group`).
 
 The embedding is split by vocabulary rows, the head by vocabulary columns; the logits stay
-sharded and `vocab_parallel_cross_entropy` takes the loss from them. With tied embeddings
+sharded and the loss is taken from them (picotron/loss.py, vocab-parallel cross-entropy). With tied embeddings
 the head reuses the embedding's shard. GQA: each rank keeps whole kv heads, so
 num_key_value_heads must be divisible by tp (checked in config.py; kv heads are not replicated).
 """
@@ -29,12 +29,9 @@ from functools import partial
 
 import torch
 
-from picotron.model import causal_lm_loss
-from picotron.ops.loss import LinearCrossEntropy
 from picotron.tensor_parallel.comms import enter_tp
 from picotron.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, VocabParallelHead)
-from picotron.tensor_parallel.loss import vocab_parallel_cross_entropy
 
 # The plan: (module path, style). "*" is any layer index. Norms marked "enter" get f (or the
 # SP all-gather) on their output, the one entry into the sharded block that follows them.
@@ -77,10 +74,7 @@ def _shard(style: str, module, pgm, sequence_parallel: bool):
 
 
 def _enter_after_norm(module, args, out, group, sequence_parallel):
-    """A norm's output enters the sharded block. The residual form returns (x + delta,
-    norm(x + delta)): only the normalised half enters, the residual stream stays as it is."""
-    if isinstance(out, tuple):
-        return out[0], enter_tp(out[1], group, sequence_parallel)
+    """A norm's output enters the sharded block that follows it (f, or the SP all-gather)."""
     return enter_tp(out, group, sequence_parallel)
 
 
@@ -125,14 +119,3 @@ def _full_positions(model, args, kwargs, tp_size):
         kwargs["position_ids"] = torch.arange(T, device=x.device).expand(x.shape[0], T)
     return args, kwargs
 
-
-def loss_function(pgm, config, model=None):
-    """loss(output, targets): its vocab-parallel form when the logits are sharded over TP;
-    else plain cross-entropy on the logits, or (`training.fused_loss`) a LinearCrossEntropy
-    that applies `model`'s head itself to the final hidden states, chunk by chunk."""
-    if pgm.tp_size > 1:
-        return partial(vocab_parallel_cross_entropy, group=pgm.tp_group)
-    if config.training.fused_loss != "none":
-        return LinearCrossEntropy(model, config.training.fused_loss,
-                                  config.training.loss_chunk_tokens)
-    return causal_lm_loss

@@ -18,7 +18,7 @@ import train
 from picotron.config import Config, config_from_dict
 from picotron.data import build_data, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
-from picotron.model import causal_lm_loss
+from picotron.loss import causal_lm_loss
 from picotron.process_group_manager import ProcessGroupManager
 
 
@@ -32,13 +32,13 @@ def measure(zero_stage, offload, dtype="float32", master_weights=True, overlap=T
                            seq_length=32)
     raw["dataset"]["name"] = "synthetic"
     config = config_from_dict(raw, world_size=4)
-    pgm = ProcessGroupManager(4, 1, 1, 1)
+    pgm = ProcessGroupManager(dp=4)
     model = train.build_model(config, pgm, torch.device("cpu"))
     # A parameter that never receives a gradient must not leave its bucket waiting forever.
     model.unused = torch.nn.Parameter(torch.zeros(7, dtype=model.norm.weight.dtype))
     grads = GradBuckets(model, pgm, config)
     optimizer = DistributedAdamW(grads, pgm, config)
-    inputs, targets = micro_batch(build_data(config), 0, 0, config, pgm.dp_rank)
+    inputs, targets = micro_batch(build_data(config), 0, 0, config, pgm)
     grads.sync = True
     causal_lm_loss(model(inputs), targets).backward()
     grads.finish()

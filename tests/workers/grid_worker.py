@@ -18,7 +18,7 @@ def main(out_path):
     rank = dist.get_rank()
     seen = {}
     for dp, pp, cp, tp in LAYOUTS:
-        pgm = ProcessGroupManager(dp, pp, cp, tp)
+        pgm = ProcessGroupManager(dp=dp, pp=pp, cp=cp, tp=tp)
         mine = {"coords": [pgm.dp_rank, pgm.pp_rank, pgm.cp_rank, pgm.tp_rank], "repr": repr(pgm)}
         for axis in ("dp", "pp", "cp", "tp", "cp_dp"):
             group, size = getattr(pgm, f"{axis}_group"), len(getattr(pgm, f"{axis}_group_ranks"))
@@ -32,6 +32,10 @@ def main(out_path):
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         mine["cp_from"] = int(recv) if cp > 1 else rank
+        if pp > 1:      # the pipeline's two ends (the tied embedding's gradient sum)
+            ends = [torch.zeros(1, dtype=torch.long) for _ in range(2)]
+            dist.all_gather(ends, torch.tensor([rank]), group=pgm.pp_ends_group)
+            mine["pp_ends"] = [int(e) for e in ends]
         mine["pp_prev"], mine["pp_next"] = pgm.pp_prev_rank, pgm.pp_next_rank
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

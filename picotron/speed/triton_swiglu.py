@@ -3,7 +3,7 @@ two halves of one tensor, as fused_linear(x, [gate_proj.weight, up_proj.weight])
 
     gu (..., 2I): gate = gu[..., :I], up = gu[..., I:]  ->  h = silu(gate) * up  (..., I)
 
-Same math as model.py's `swiglu_in` (F.silu(gate) * up, the reference), with silu and the
+Same math as model.py's MLP (F.silu(gate) * up, the reference), with silu and the
 product in fp32 and one rounding to gu's dtype; the reference rounds silu(gate) to bf16
 before the product, so in bf16 the two differ by about one bf16 step (2^-8 relative) in some
 elements. liger's swiglu kernel cannot be used here: it walks a, b and the output with one
@@ -26,7 +26,7 @@ output). Guards:
   reading gradients as activations. What autograd cannot see (reading gu in a hook after
   backward) is not guarded: don't.
 - activation checkpointing recomputes forward in backward, and this op then saves and
-  overwrites the recomputed gu; under "selective" (picotron/ops/recompute.py) that gu shares
+  overwrites the recomputed gu; under "selective" (picotron/speed/recompute.py) that gu shares
   storage with the saved matmul output, which the recomputation has already handed out and
   nothing reads again. tests/test_fused_projections.py checks both modes against no
   checkpointing.
@@ -38,7 +38,7 @@ weight gradient: 18-20% of a layer's saved activations (168 MB a layer at 360M, 
 one kernel reads gu and dh and writes d(gu) over gu and h over dh, and dW_down = dy^T @ h.
 The price is one more write of N x I elements per layer in backward (6I instead of 5I per
 token, ~+20% of this kernel's time), the saving costs no buffer, and h is bitwise the
-forward's (the same fp32 ops on the same gu). Measured on an H200 (bench/NOTES.md, session 7),
+forward's (the same fp32 ops on the same gu). Measured on an H200 (bench/NOTES.md),
 16 x 2048 tokens: the MLP's forward + backward 2.37 -> 2.44 ms at 360M's widths, 15.47 ->
 15.54 ms at 1.7B's; a 360M training step 0.9% slower, its peak 30.3 -> 25.6 GB.
 """

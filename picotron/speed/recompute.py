@@ -1,4 +1,6 @@
-"""Activation checkpointing, one decoder layer at a time (`training.activation_checkpointing`).
+"""apply_activation_checkpointing: what each decoder layer keeps for backward
+(`training.activation_checkpointing`, on the model's first `activation_checkpointing_layers`
+layers, all by default).
 
 Backward needs tensors saved by forward; at seq 2048 they, not the weights, fill the GPU.
 - "full" (Chen et al. 2016): keep only each layer's input (B, T, C); backward re-runs the
@@ -13,10 +15,14 @@ Backward needs tensors saved by forward; at seq 2048 they, not the weights, fill
   With model.kernels="triton" the norms, RoPE and SwiGLU are our own autograd functions,
   which already keep only their inputs; what is left to drop is the SwiGLU output that the
   down projection keeps. There "selective" does not use torch's checkpoint at all: the MLP
-  runs swiglu_linear (picotron/ops/triton_swiglu.py), which recomputes that output inside its
-  own backward (model.Decoder turns it on).
+  runs swiglu_linear (triton_swiglu.py), which recomputes that output inside its own backward
+  (`TritonMLP.recompute_swiglu`).
 Both use PyTorch's non-reentrant checkpoint, which recomputes the same kernels on the same
 inputs, so losses and gradients are bitwise those of "none" (tests/test_speed.py).
+
+Applied by replacing a layer's `forward` on the instance with one that runs the class's
+forward under torch's checkpoint: names, parameters and hooks stay, and the model never
+hears of it. Apply it after speed/kernels.py, whose class swap it must see.
 """
 from functools import partial
 
@@ -39,7 +45,10 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 def checkpointed(layer, mode: str, *inputs):
-    """layer(*inputs), keeping for backward what `mode` ("full" or "selective") says."""
+    """layer(*inputs), keeping for backward what `mode` ("full" or "selective") says.
+    Without autograd (validation) nothing is kept anyway: the layer just runs."""
+    if not torch.is_grad_enabled():
+        return layer(*inputs)
     if mode == "full":
         return checkpoint(layer, *inputs, use_reentrant=False)
     if mode == "selective":
@@ -47,3 +56,23 @@ def checkpointed(layer, mode: str, *inputs):
                           context_fn=partial(create_selective_checkpoint_contexts,
                                              _selective_policy))
     raise ValueError(f"activation checkpointing mode '{mode}' is not none/full/selective")
+
+
+def apply_activation_checkpointing(model, config):
+    """Checkpoint the model's first N layers this rank holds (N = activation_checkpointing_layers,
+    all when null), in place. Returns the keys of the layers run under torch's checkpoint."""
+    t = config.training
+    mode, n = t.activation_checkpointing, t.activation_checkpointing_layers
+    wrapped = []
+    if mode == "none":
+        return wrapped
+    for key, layer in model.layers.items():
+        if n is not None and int(key) >= n:
+            continue
+        if mode == "selective" and hasattr(layer.mlp, "recompute_swiglu"):   # TritonMLP
+            layer.mlp.recompute_swiglu = True
+            continue
+        # the class's forward, bound to this layer, run under checkpoint by the instance's
+        layer.forward = partial(checkpointed, type(layer).forward.__get__(layer), mode)
+        wrapped.append(key)
+    return wrapped

@@ -5,7 +5,7 @@ Why: a step is hundreds of kernels, and the host's time to launch them (Python, 
 allocator) can leave the GPU idle between them. A replayed graph launches the whole layer
 stack's forward as one call and its backward as another. The kernels are the same as eager,
 so the numbers are too (tests/test_cuda_graphs_gpu.py: bit for bit). Measured on an H200
-(bench/NOTES.md, session 5): no faster at SmolLM-360M or 1.7B, where the GPU already runs
+(bench/NOTES.md): no faster at SmolLM-360M or 1.7B, where the GPU already runs
 ahead of the host inside the layers, but 2-4% less peak memory (the graph's pool holds one
 step's activations without the allocator's fragmentation).
 
@@ -29,7 +29,7 @@ from picotron.model import rope_cos_sin
 
 
 class LayerStack(nn.Module):
-    """All of a Decoder's layers as one module (x, cos, sin, position_ids) -> (x, delta): the
+    """All of a Decoder's layers as one module (x, cos, sin, position_ids) -> x (B, T, C): the
     form torch.cuda.make_graphed_callables captures, its parameters those of the layers."""
 
     def __init__(self, decoder):
@@ -44,7 +44,8 @@ class LayerStack(nn.Module):
 
 def capture_layers(model, config, device):
     """Capture `model`'s layers (all of them: pp is 1) for one micro-batch, and route the
-    model's training forwards through the graphs. Call after GradBuckets(model, ...)."""
+    model's training forwards through the graphs by replacing `run_layers` on the instance.
+    Call after GradBuckets(model, ...)."""
     t, m = config.training, config.model
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype

@@ -1,7 +1,11 @@
-"""`training.fused_loss`: the output head and the cross-entropy together, so the logits of the
-whole micro-batch never exist at once.
+"""apply_fused_loss (`training.fused_loss`): the output head and the cross-entropy together, so
+the logits of the whole micro-batch never exist at once.
 
-The reference (`model.causal_lm_loss` on `model(x)`) builds the (N, V) logits in bf16, an fp32
+The model's head is swapped for `HeadInLoss`, which keeps the (V, C) weight under its name and
+passes the final hidden states (B, T, C) through; the loss returned applies that weight
+itself, chunk by chunk. Every caller keeps calling loss_fn(model(x), targets).
+
+The reference (`picotron.loss.causal_lm_loss` on the logits) builds the (N, V) logits in bf16, an fp32
 copy, fp32 log-probabilities and, in backward, an fp32 and a bf16 gradient of the same size:
 at N = 16*2048 tokens and V = 49152 that is 3.2 GB per bf16 copy and 6.4 GB per fp32 one, and
 several passes of memory traffic over them. Here (N legend: B*T tokens, C hidden, V vocab):
@@ -12,7 +16,7 @@ several passes of memory traffic over them. Here (N legend: B*T tokens, C hidden
   the head weight (V, C, accumulated in fp32) by grad_output / count.
 - "liger": the same scheme with liger-kernel's Triton cross-entropy kernel (fewer passes over
   each chunk); CUDA only.
-- "triton": the same scheme with our Triton kernel (picotron/ops/triton_loss.py), which never
+- "triton": the same scheme with our Triton kernel (triton_loss.py), which never
   makes the host wait for the GPU (liger's reads the token count with .item()); CUDA only.
 Same arithmetic as the reference: bf16 matmul, fp32 softmax; tests/test_speed.py checks loss
 and gradients against it.
@@ -25,11 +29,10 @@ scale. Per token it stays in range, and backward multiplies by loss_scale / coun
 divides in forward and takes no scale, so config_checks refuses it with fp16.
 """
 import torch
+import torch.nn as nn
 
 from picotron.config import MissingPackage
-
-IGNORE_INDEX = -100        # as torch's cross_entropy: targets equal to it add no loss
-
+from picotron.loss import IGNORE_INDEX
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -40,11 +43,9 @@ def default_rows(n_tokens: int) -> int:
     Each chunk adds its (V, C) head-weight gradient into the fp32 accumulator: 8*V*C bytes of
     read-modify-write against 6*rows*V*C FLOPs of the chunk's three matmuls, so the
     accumulator costs ~ (8 / 6) * (FLOP/s / bytes/s) / rows of the matmul time: at an H200's
-    ~175 FLOP per byte, 23% at 1024 rows, 6% at 4096, whatever V and C. Measured on an H200
-    (bench/NOTES.md, session 7), forward + backward at N = 32768, V = 49152: C = 960, 1024 ->
-    4096 rows 20.8 -> 17.8 ms; C = 2048, 2048 -> 4096 rows 36.7 -> 33.1 ms; 8192 rows was
-    slower on both. liger's rule (a chunk's logits ~ the hidden states' size: 1024 and 2048
-    rows there) spends less memory: a (4096, V) bf16 buffer is 400 MB at V = 49152."""
+    ~175 FLOP per byte, 23% at 1024 rows, 6% at 4096, whatever V and C; 8192 rows measured
+    slower (bench/NOTES.md). liger's rule (a chunk's logits ~ the hidden states' size) spends
+    less memory: a (4096, V) bf16 buffer is 400 MB at V = 49152."""
     return min(n_tokens, DEFAULT_CHUNK_TOKENS)
 
 
@@ -92,13 +93,25 @@ def chunked_linear_cross_entropy(hidden, weight, targets, rows: int = None):
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, rows, need_grad)
 
 
-class LinearCrossEntropy:
-    """loss(hidden (B, T, C), targets (B, T)): the head `model.lm_head` and the mean
-    cross-entropy in one op. The model is then run with `head=False`."""
-    applies_head = True       # callers read this to run the model without its head
+class HeadInLoss(nn.Module):
+    """The output head moved into the loss: it holds the head's (V, C) weight (the same
+    Parameter, so a tie, its name "lm_head.weight" and what parallelism marked on it stay) and
+    passes the final hidden states (B, T, C) through unchanged."""
 
-    def __init__(self, model, impl: str, chunk_tokens: int = 0):
-        self.model, self.impl, self.chunk_tokens = model, impl, chunk_tokens
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return x
+
+
+class LinearCrossEntropy:
+    """loss(hidden (B, T, C), targets (B, T)): the head's weight and the mean cross-entropy in
+    one op, the tokens a chunk at a time."""
+
+    def __init__(self, head, impl: str, chunk_tokens: int = 0):
+        self.head, self.impl, self.chunk_tokens = head, impl, chunk_tokens
         if impl == "liger":
             try:
                 from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -108,11 +121,16 @@ class LinearCrossEntropy:
                                      "or use 'chunked'", e) from None
             self.liger = liger_fused_linear_cross_entropy
         if impl == "triton":
-            from picotron.ops.triton_loss import triton_linear_cross_entropy
+            try:
+                from picotron.speed.triton_loss import triton_linear_cross_entropy
+            except ImportError as e:
+                raise MissingPackage("training.fused_loss='triton'", "the triton package on a "
+                                     "CUDA machine (`pip install triton`)", "or use 'chunked'",
+                                     e) from None
             self.triton = triton_linear_cross_entropy
 
     def __call__(self, hidden, targets):
-        weight = self.model.lm_head.weight                  # read now: it may be re-tied
+        weight = self.head.weight
         hidden, targets = hidden.flatten(0, 1), targets.flatten()
         if self.impl == "liger":   # fp32 accumulation of the head's gradient, as "chunked"
             return self.liger(hidden, weight, targets, ignore_index=IGNORE_INDEX,
@@ -121,3 +139,15 @@ class LinearCrossEntropy:
         if self.impl == "triton":
             return self.triton(hidden, weight, targets, rows)
         return chunked_linear_cross_entropy(hidden, weight, targets, rows)
+
+
+def apply_fused_loss(model, loss_fn, config):
+    """(model, loss_fn) with the head moved into the loss when `training.fused_loss` asks for
+    it. A pipeline stage without the head keeps its loss_fn (it never computes a loss). Under
+    tensor parallelism the config refuses a fused loss: the vocab-parallel loss already never
+    gathers the logits."""
+    t = config.training
+    if t.fused_loss == "none" or model.lm_head is None:
+        return model, loss_fn
+    model.lm_head = HeadInLoss(model.lm_head.weight)
+    return model, LinearCrossEntropy(model.lm_head, t.fused_loss, t.loss_chunk_tokens)

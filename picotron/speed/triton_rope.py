@@ -1,6 +1,6 @@
 """RoPE straight out of the fused q/k/v projection, in one Triton kernel each way.
 
-`model.kernels = "triton"` computes q, k and v with one matmul (picotron/ops/fused_linear.py):
+`model.kernels = "triton"` computes q, k and v with one matmul (picotron/speed/fused_linear.py):
 qkv (B, T, (H + 2K) * D), each token's row holding its H query heads, then K key heads, then K
 value heads. `qkv_rope` reads that row once and writes three contiguous tensors:
 

@@ -1,5 +1,13 @@
-"""Vocab-parallel cross-entropy (Megatron-LM, section 3): the loss from logits sharded over the
-vocabulary, without ever gathering the (B, T, V) logits.
+"""The loss for any layout: mean next-token cross-entropy over the tokens, in fp32.
+
+    build_loss(pgm) -> loss(logits, targets)
+
+logits (B, T, V) and targets (B, T) global token ids; a target equal to IGNORE_INDEX adds no
+loss. With tensor parallelism the head's logits are sharded over the vocabulary, (B, T, V/tp)
+on each rank, and the loss is taken from the shards without gathering them (below).
+
+Vocab-parallel cross-entropy (Megatron-LM, section 3), for logits sharded over the
+vocabulary.
 
 Shapes: N = B*T tokens, V_local = ceil(V/tp) logit columns per rank (column j of TP rank r is
 token r*V_local + j; padding columns past V hold -inf).
@@ -12,10 +20,19 @@ exp(z - m), local z_t - m, which is 0 where t is another rank's token).
 The gradient needs no communication at all: dloss/dz_v = softmax(z)_v - [v == t], and each
 rank already holds the global denominator of its own columns' softmax.
 """
+from functools import partial
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100        # as torch's cross_entropy: targets equal to it add no loss
+
+
+def causal_lm_loss(logits, targets):
+    """Mean cross-entropy over the counted tokens, in fp32. logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                           ignore_index=IGNORE_INDEX)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -64,3 +81,11 @@ def vocab_parallel_cross_entropy(logits, targets, group):
     gathered logits."""
     return _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(),
                                             group)
+
+
+def build_loss(pgm):
+    """loss(logits, targets) for this layout: vocab-parallel when the logits are sharded over
+    tensor parallelism, plain cross-entropy otherwise."""
+    if pgm.tp_size > 1:
+        return partial(vocab_parallel_cross_entropy, group=pgm.tp_group)
+    return causal_lm_loss

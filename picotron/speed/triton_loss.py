@@ -5,8 +5,8 @@ and nothing that makes the host wait for the GPU.
 Why our own rather than liger's fused linear cross-entropy: liger reads the number of counted
 tokens with `.item()` before its kernel (an int argument) and compares grad_output with 1.0
 (`torch.equal`) in backward, i.e. two host syncs per step. Each one drains the queue of
-launched kernels; the GPU then idles while the host launches the next ones (session 5's
-profile at 360M: a 1.1 ms gap and a run of 0.2-0.3 ms gaps per step, all around the loss).
+launched kernels; the GPU then idles while the host launches the next ones (a
+profile at 360M showed a 1.1 ms gap and a run of 0.2-0.3 ms gaps per step around it).
 Here the token count stays a device scalar, and backward always multiplies by
 grad_output / count, computed on the device.
 
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.ops.loss import IGNORE_INDEX
+from picotron.loss import IGNORE_INDEX
 
 
 @triton.jit

@@ -1,0 +1,42 @@
+"""Speed plug-ins: each applied from outside, after the model, the axes and the weights are
+built, by swapping modules or methods. The model never hears of them; the readable PyTorch
+path (model.kernels=torch, no fused loss, no recomputation) is the reference each is tested
+against. On GPUs the config's "auto" values turn them on (config.resolve_auto).
+
+    kernels.py       model.kernels: the norms, attention and MLP as subclasses running fused
+                     kernels (triton_layers.py: triton_norms, triton_rope, triton_swiglu,
+                     fused_linear; liger_layers.py)
+    recompute.py     training.activation_checkpointing: none | full | selective, per layer
+    loss.py          training.fused_loss: the head moved into the loss, chunk by chunk
+                     (triton_loss.py: its Triton kernel)
+    adamw.py         training.use_fused_adam on a GPU: AdamW in one pass per gradient shard
+                     (triton_adamw.py)
+    cuda_graphs.py   training.cuda_graphs: the layers' forward and backward as CUDA graphs
+
+train.py applies them in this order: `apply_speed` on the built model, then the gradient
+buckets, then `capture_layers` (graphs are captured where the buckets put the parameters),
+then `build_optimizer`.
+"""
+from picotron.config import resolve_auto
+from picotron.speed.adamw import build_optimizer  # noqa: F401
+from picotron.speed.cuda_graphs import capture_layers  # noqa: F401
+from picotron.speed.kernels import apply_kernels
+from picotron.speed.loss import apply_fused_loss
+from picotron.speed.recompute import apply_activation_checkpointing
+
+
+def apply_speed(model, loss_fn, config):
+    """(model, loss_fn) with the fast paths the config asks for, in place.
+
+    Order: kernels first (a class swap, which recomputation must see: it binds the layer's
+    forward, and "selective" with our kernels is a flag on their MLP), then recomputation,
+    then the loss (it swaps the head), and torch.compile last, on the layers as they run.
+    "auto" options are resolved first, if the config was not loaded by config_from_dict."""
+    resolve_auto(config)
+    apply_kernels(model, config)
+    apply_activation_checkpointing(model, config)
+    model, loss_fn = apply_fused_loss(model, loss_fn, config)
+    if config.training.compile:     # in place: parameter names stay those of the layout
+        for layer in model.layers.values():
+            layer.compile()
+    return model, loss_fn
