@@ -77,6 +77,9 @@ OURS = {"ours defaults": (False, "auto", "auto", False, "auto", "sdpa"),
         "ours triton full-ckpt": (False, "triton", "liger", False, "full", "sdpa"),
         "ours liger full-ckpt": (False, "liger", "liger", False, "full", "sdpa"),
         "ours compile+liger-loss": (False, "torch", "liger", True, "none", "sdpa"),
+        "ours compile our-loss": (False, "torch", "triton", True, "none", "sdpa"),
+        "ours compile our-loss selective": (False, "torch", "triton", True, "selective",
+                                            "sdpa"),
         "ours chunked-loss selective": (False, "torch", "chunked", False, "selective", "sdpa")}
 CACHE = "/tmp/picotron_bench_weights_{}.pt"
 
