@@ -203,8 +203,8 @@ def describe_run(config, pgm, device, run_dir) -> str:
     chosen = ", ".join(f"{k}={v}" for k, v in auto.items())
     tokens_per_step = config.global_batch_size * t.seq_length
     flops_tok = flops_per_token(config.model, t.seq_length)
-    lines = [f"auto on {device.type}: {chosen}" if chosen else "auto: nothing left to choose",
-             f"{pgm}", f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
+    lines = [f"auto on {device.type}: {chosen}"] if chosen else []
+    lines += [f"{pgm}", f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
              f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} ({device.type})",
              f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
              f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "

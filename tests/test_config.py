@@ -169,3 +169,33 @@ def test_readme_config_reference_lists_every_key():
     for section, values in Config().to_dict().items():
         for key in values:
             assert f"| `{section}.{key}` |" in readme, f"{section}.{key} missing from README"
+
+
+def test_auto_resolves_to_the_fast_path_on_gpus_and_the_reference_on_cpu():
+    """model.kernels, training.fused_loss and training.activation_checkpointing default to
+    "auto", resolved at load from the layout; an explicit value is never touched."""
+    def chosen(**sections):
+        c = config_from_dict(sections)
+        return (c.model.kernels, c.training.fused_loss, c.training.activation_checkpointing)
+    assert chosen() == ("triton", "triton", "selective")                     # a GPU run
+    assert chosen(distributed={"use_cpu": True}) == ("torch", "none", "none")
+    # under tensor parallelism the head is vocab-parallel: its own loss, no fused one
+    assert chosen(distributed={"tp_size": 2}) == ("triton", "none", "selective")
+    # with the compiler, the readable ops for it to fuse; torch's checkpoint is not chosen
+    assert chosen(training={"compile": True}) == ("torch", "triton", "none")
+    assert chosen(model={"kernels": "torch"}) == ("torch", "triton", "none")
+    assert chosen(training={"fused_loss": "chunked", "activation_checkpointing": "full"}) == (
+        "triton", "chunked", "full")
+    c = config_from_dict({"distributed": {"use_cpu": True}})
+    assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
+                               "training.activation_checkpointing": "none"}
+    kept = config_from_dict({}, resolve=False)          # what create_config.py writes
+    assert (kept.model.kernels, kept.training.fused_loss,
+            kept.training.activation_checkpointing) == ("auto", "auto", "auto")
+
+
+def test_a_fused_loss_under_tensor_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="training.fused_loss='chunked' applies the whole "
+                                          "output head on one rank"):
+        config_from_dict({"distributed": {"tp_size": 2, "use_cpu": True},
+                          "training": {"fused_loss": "chunked"}})

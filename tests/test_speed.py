@@ -272,3 +272,15 @@ def test_matmul_floor_runs_the_matmuls_of_a_step_and_nothing_else(monkeypatch):
     norms = cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size
     assert matmuls == 6 * (count_params(cfg) - norms) * 2 * 10
     assert calls == [(2, 6, 10, 6)] * cfg.num_hidden_layers          # (B, H, T, D) each layer
+
+
+def test_first_line_says_what_auto_chose(tmp_path, capsys):
+    """A run's first line names what each "auto" option resolved to (on CPU: the reference)."""
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "auto", "--use_cpu",
+                               "--total_train_steps", "1", "--mbs", "1", "--seq_len", "16"])
+    assert json.load(open(path))["model"]["kernels"] == "auto"      # written as asked
+    capsys.readouterr()
+    train.main(["--config", path])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("auto on cpu: model.kernels=torch, training.fused_loss=none, "
+                     "training.activation_checkpointing=none"), first
