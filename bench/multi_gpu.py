@@ -13,8 +13,7 @@ call. Nothing here depends on N: the same command runs on 1, 2 or 8 GPUs.
    answer, so its tolerance is measured in the same call: the largest loss difference between
    two one-GPU runs that differ only in how the batch is split (8 x 2 sequences vs 4 x 4); a
    layout passes within twice that (at least 1e-3).
-2. throughput: bf16, seq 2048, synthetic tokens, model.kernels=triton and liger's fused loss
-   on GPUs: tokens/s/GPU (median of the steps after the 3rd), MFU = tokens/s/GPU x (6N +
+2. throughput: bf16, seq 2048, synthetic tokens, the default ("auto") fast path on GPUs: tokens/s/GPU (median of the steps after the 3rd), MFU = tokens/s/GPU x (6N +
    12 L C T) / 989.5e12, which is also picotron's formula (its utils.get_mfu: 6 x params +
    12 x layers x heads x head_dim x seq), peak memory per GPU, and the scaling efficiency:
    tokens/s/GPU over the one-GPU run of the same shape. dp=2 runs with the bucketed
@@ -139,8 +138,10 @@ def parity(args, emit):
 
 
 def throughput(args, emit):
-    fast = [] if args.cpu else ["--set", "model.kernels=triton", "--set",
-                                f"training.fused_loss={args.fused_loss}"]
+    # the fast path is the default on GPUs ("auto": our kernels, our fused loss where the
+    # layout has no tensor parallelism, selective recomputation); --fused_loss overrides it
+    fast = ([] if args.fused_loss == "auto"
+            else ["--set", f"training.fused_loss={args.fused_loss}"])
     per_gpu_1 = {}
     for name, world, model, mbs, seq, layout in THROUGHPUT:
         if args.only and args.only not in name:
@@ -174,7 +175,8 @@ def main():
     p.add_argument("--gpus", type=int, default=None, help="default: every GPU of the machine")
     p.add_argument("--parts", default="parity,throughput")
     p.add_argument("--steps", type=int, default=10, help="throughput: steps per run")
-    p.add_argument("--fused_loss", default="liger", help="throughput: training.fused_loss")
+    p.add_argument("--fused_loss", default="auto", help="throughput: training.fused_loss "
+                   "(auto: the default; refused with tp > 1 unless none or auto)")
     p.add_argument("--cpu", action="store_true", help="gloo CPU ranks instead of GPUs")
     p.add_argument("--only", default="", help="throughput: rows whose name contains this")
     p.add_argument("--dtypes", default="float32,bfloat16", help="parity: training.dtype list")
