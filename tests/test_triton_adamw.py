@@ -130,3 +130,39 @@ def test_a_skipped_step_is_not_counted(problem):
     for s, w, m, wm in zip(shards, want, [opt.state[s]["exp_avg"] for s in shards], want_m):
         assert rel(s, w) < 1e-6 and rel(m, wm) < 1e-6, (rel(s, w), rel(m, wm))
     assert all(int(opt.state[s]["step"]) == 4 for s in shards)    # what a checkpoint saves
+
+
+@pytest.mark.parametrize("offload", [0.0, 0.5])
+def test_triton_adamw_trains_like_the_reference(offload):
+    """The optimizer class train.py builds on a GPU (speed/adamw.py: TritonAdamW) against the
+    readable DistributedAdamW it subclasses: the same model and batches, 3 steps, fp32. With
+    half the optimizer state offloaded to the CPU its step is the reference's, torch's AdamW
+    stepping the offloaded masters and the kernel the others."""
+    from picotron.config import Config, DistributedConfig, TrainingConfig
+    from picotron.data_parallel import DistributedAdamW, GradBuckets
+    from picotron.process_group_manager import ProcessGroupManager
+    from picotron.speed.adamw import TritonAdamW
+    from speed_helpers import build_with_speed
+    tiny = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    config = Config(training=TrainingConfig(dtype="float32"),
+                    distributed=DistributedConfig(offload_optim_frac=offload,
+                                                  use_cpu=DEVICE == "cpu"))
+    weights = {}
+    for cls in (DistributedAdamW, TritonAdamW):
+        model, loss_fn = build_with_speed(tiny, device=DEVICE)
+        pgm = ProcessGroupManager()
+        grads = GradBuckets(model, pgm, config)
+        optimizer = cls(grads, pgm, config)
+        assert (optimizer.offload_optimizer is not None) == (offload > 0)
+        for step in range(3):
+            ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(step))
+            grads.sync = True
+            loss_fn(model(ids[:, :-1].to(DEVICE)), ids[:, 1:].to(DEVICE)).backward()
+            grads.finish()
+            _, skipped = optimizer.step(1e-3)
+            grads.zero_grad()
+            assert not bool(skipped)
+        weights[cls] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, w in weights[DistributedAdamW].items():
+        assert rel(weights[TritonAdamW][name], w) < 1e-5, name

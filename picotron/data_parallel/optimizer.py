@@ -114,26 +114,30 @@ class DistributedAdamW:
         self.grads.all_gather_params()
         return norm, False
 
-    def update(self, lr: float, grad_mul, on_cpu_only: bool = False):
-        """AdamW on every master (or only the CPU-offloaded ones), its gradient being this
-        rank's gradient shard times `grad_mul` (clip / loss scale, a device scalar), computed
-        in fp32; then the updated masters are copied into the parameters they stand for."""
-        for b, master, offload in zip(self.grads.buckets, self.masters, self.offloaded):
-            if offload or not on_cpu_only:
-                g = self.grads.grad_shard(b)
-                g = g.float() if g.dtype != torch.float32 else g     # scaled in place if fp32
-                master.grad = g.mul_(grad_mul).to(device=master.device, dtype=master.dtype)
-        for opt in self.optimizers:
-            if on_cpu_only and opt is not self.offload_optimizer:
-                continue
+    def update(self, lr: float, grad_mul):
+        """AdamW on every master, its gradient being this rank's gradient shard times
+        `grad_mul` (clip / loss scale, a device scalar)."""
+        self.torch_update(lr, grad_mul, self.optimizers)
+
+    def torch_update(self, lr: float, grad_mul, optimizers):
+        """torch's AdamW on the masters that `optimizers` hold: their gradients scaled in fp32,
+        the step, then each updated master copied into the parameters it stands for."""
+        mine = {id(m) for opt in optimizers for group in opt.param_groups
+                for m in group["params"]}
+        members = [(b, master, shard) for b, master, shard in
+                   zip(self.grads.buckets, self.masters, self.param_shards) if id(master) in mine]
+        for b, master, _ in members:
+            g = self.grads.grad_shard(b)
+            g = g.float() if g.dtype != torch.float32 else g     # scaled in place if fp32
+            master.grad = g.mul_(grad_mul).to(device=master.device, dtype=master.dtype)
+        for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.step()
-        for master, shard, offload in zip(self.masters, self.param_shards, self.offloaded):
-            if offload or not on_cpu_only:
-                master.grad = None
-                if master is not shard:
-                    shard.copy_(master, non_blocking=True)
+        for _, master, shard in members:
+            master.grad = None
+            if master is not shard:
+                shard.copy_(master, non_blocking=True)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: moments plus master copies."""

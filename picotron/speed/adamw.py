@@ -39,11 +39,12 @@ class TritonAdamW(DistributedAdamW):
         self.grads.all_gather_params()
         return norm, ~finite            # skipped: a device bool, read when the step is logged
 
-    def update(self, lr: float, grad_mul, on_cpu_only: bool = False):
-        """The reference's step calls this once it knows the step is finite."""
-        super().update(lr, grad_mul, on_cpu_only=True)       # offloaded shards: on the CPU
-        if not on_cpu_only:
-            self._update(lr, torch.stack([grad_mul, torch.zeros_like(grad_mul)]))
+    def update(self, lr: float, grad_mul):
+        """The reference's step (fp16, offload) calls this once it knows the step is finite:
+        torch's AdamW on the CPU-offloaded masters, the kernel on the others."""
+        if self.offload_optimizer is not None:
+            self.torch_update(lr, grad_mul, [self.offload_optimizer])
+        self._update(lr, torch.stack([grad_mul, torch.zeros_like(grad_mul)]))
 
     def _update(self, lr: float, scalars):
         """The kernel on every master on the device. scalars: fp32 (2,) on the device,

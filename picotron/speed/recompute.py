@@ -60,12 +60,11 @@ def checkpointed(layer, mode: str, *inputs):
 
 def apply_activation_checkpointing(model, config):
     """Checkpoint the model's first N layers this rank holds (N = activation_checkpointing_layers,
-    all when null), in place. Returns the keys of the layers run under torch's checkpoint."""
+    all when null), in place."""
     t = config.training
     mode, n = t.activation_checkpointing, t.activation_checkpointing_layers
-    wrapped = []
     if mode == "none":
-        return wrapped
+        return model
     for key, layer in model.layers.items():
         if n is not None and int(key) >= n:
             continue
@@ -74,5 +73,4 @@ def apply_activation_checkpointing(model, config):
             continue
         # the class's forward, bound to this layer, run under checkpoint by the instance's
         layer.forward = partial(checkpointed, type(layer).forward.__get__(layer), mode)
-        wrapped.append(key)
-    return wrapped
+    return model
