@@ -246,10 +246,11 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None,
     return resolved if resolve else config
 
 
-def resolve_auto(config: Config) -> dict:
+def resolve_auto(config: Config) -> None:
     """Replace each "auto" speed option by the fastest measured path that fits the layout
-    (bench/NOTES.md has the measurements); on CPU, by the readable reference. Returns and
-    records in `config.auto_resolved` what was chosen, for the run's first line.
+    (bench/NOTES.md has the measurements); on CPU, by the readable reference. What was chosen
+    is recorded in `config.auto_resolved`, for the run's first line (a second call, finding
+    nothing left to choose, keeps that record).
 
     On a GPU: our Triton kernels with "selective" recomputation (the SwiGLU output recomputed
     inside the MLP: the speed of no recomputation at a fraction of the memory) and the Triton
@@ -268,8 +269,7 @@ def resolve_auto(config: Config) -> dict:
         ours = gpu and m.kernels == "triton"
         t.activation_checkpointing = chosen["training.activation_checkpointing"] = (
             "selective" if ours else "none")
-    config.auto_resolved = chosen
-    return chosen
+    config.auto_resolved = {**getattr(config, "auto_resolved", {}), **chosen}
 
 
 def load_config(path: str, world_size: Optional[int] = None) -> Config:

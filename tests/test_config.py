@@ -9,7 +9,8 @@ import pytest
 import create_config
 from launch import ROOT
 from picotron.attention import resolve_attention, sdpa_attention
-from picotron.config import Config, ConfigError, MissingPackage, config_from_dict, load_config
+from picotron.config import (Config, ConfigError, MissingPackage, config_from_dict, load_config,
+                             resolve_auto)
 
 BAD_FLAGS = [  # (flags, words the message must contain)
     (["--tp", "3"], ["num_attention_heads=8", "tp_size=3"]),
@@ -187,6 +188,9 @@ def test_auto_resolves_to_the_fast_path_on_gpus_and_the_reference_on_cpu():
     assert chosen(training={"fused_loss": "chunked", "activation_checkpointing": "full"}) == (
         "triton", "chunked", "full")
     c = config_from_dict({"distributed": {"use_cpu": True}})
+    assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
+                               "training.activation_checkpointing": "none"}
+    resolve_auto(c)                   # apply_speed resolves again: nothing left, record kept
     assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
                                "training.activation_checkpointing": "none"}
     kept = config_from_dict({}, resolve=False)          # what create_config.py writes
