@@ -50,6 +50,8 @@ def test_zigzag_sharding_moves_positions_and_targets_with_tokens():
             assert p[0, 0] == r * chunk and p[0, -1] == (2 * cp - r) * chunk - 1
     with pytest.raises(ValueError, match="divisible by 2\\*cp_size=8"):
         zigzag_positions(20, 0, 4)
+    x, y, p = shard_sequence(inputs[:, :7], targets[:, :7], 0, 1)  # one rank: any length
+    assert torch.equal(x, inputs[:, :7]) and torch.equal(p[0], torch.arange(7))
 
 
 def layout(**sections):

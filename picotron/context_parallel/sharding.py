@@ -17,6 +17,8 @@ import torch
 
 def zigzag_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """The positions (T/cp,) that cp rank `cp_rank` holds, in increasing order."""
+    if cp_size == 1:                  # nothing to balance: every length, in order
+        return torch.arange(seq_len)
     if seq_len % (2 * cp_size):
         raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp_size={2 * cp_size}: the "
                          f"zigzag split gives each cp rank two equal chunks")
