@@ -10,201 +10,162 @@ A checkpoint is a directory `<save_dir>/step_000100/` holding
   `<param name>.exp_avg` / `.exp_avg_sq` (they have the parameter's shape and slice), with the
   scalar state (the step count) in the metadata: keyed by name, not by position, so a later
   layout can read it.
-- `rng-rank{R}.pt`: the Python and torch RNG states of rank R.
-- `state.json`, written last: step, tokens seen, data position, the config, the layout and a
-  sha256 of every shard file (a flipped byte is caught on load, not trained on).
+- `rng-rank{R}.safetensors`: the Python, torch and CUDA RNG states of rank R, as tensors and
+  JSON: nothing in a checkpoint is a pickle.
+- `state.json`, written last: step, tokens seen, data position, the config, the layout, the
+  changes accepted at earlier resumes, a sha256 of every other file, and of itself.
 
-Writing is atomic: everything goes into `<dir>.tmp`, and one rank renames it to `<dir>` after
-a barrier, then points `<save_dir>/latest` at it (written to a temporary name and renamed).
-A save killed part-way leaves only a `.tmp` directory, which is never loaded.
+Saving (picotron/checkpoint_write.py, picotron/async_save.py) is atomic: everything goes into
+`<dir>.tmp`, renamed to `<dir>` once complete, then `<save_dir>/latest` names it.
+Loading trusts a checkpoint only as a whole (picotron/checkpoint_verify.py): every rank hashes
+a share of its files and the ranks agree on what they found before any of them loads, so a
+bad file is refused by name on every rank together; and a resume that would change the run
+(another seed, dataset, global batch, sequence length or model) is refused unless
+`checkpoint.allow_changes` accepts it (picotron/checkpoint_changes.py).
 """
 import glob
 import json
 import os
 import random
-import shutil
+import sys
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
+from picotron.async_save import CheckpointSaver
+from picotron.checkpoint_changes import check_model_shape, check_resume
+from picotron.checkpoint_verify import directory_problems
 from picotron.shards import (CheckpointError, index_shards, load_full_weights,  # noqa: F401
-                             read_slice, shard_metadata, slice_bounds, write_shard)
-
-FORMAT_VERSION = 1
-# Model fields that fix the shapes of the weights: compared before anything is loaded.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "tie_word_embeddings",
-                "parallel_residual", "norm_type")
-
-
-def _owned(model, pgm):
-    """(name, param) pairs this rank writes: distinct pieces only (see the module doc)."""
-    if pgm.dp_rank != 0 or pgm.cp_rank != 0:
-        return []
-    return [(n, p) for n, p in model.named_parameters()         # a pipeline copy of a tied
-            if (hasattr(p, "local_slice") or pgm.tp_rank == 0)    # weight (`tied_name`) is
-            and not hasattr(p, "tied_name")]                      # saved once, by stage 0
-
-
-def _write_model_shards(model, opt_state, pgm, tmp: str) -> dict:
-    """This rank's weight (and optimizer) files in `tmp`; {file name: sha256}.
-    opt_state: DistributedAdamW.param_state(), or None for weights only."""
-    owned = _owned(model, pgm)
-    if not owned:
-        return {}
-    tag = f"pp{pgm.pp_rank}-tp{pgm.tp_rank}"
-    layout = {n: {"full_shape": list(getattr(p, "full_shape", p.shape)),
-                  "bounds": slice_bounds(p)} for n, p in owned}
-    sums = {f"weights-{tag}.safetensors": write_shard(
-        os.path.join(tmp, f"weights-{tag}.safetensors"), dict(owned), layout)}
-    if opt_state is not None:
-        tensors, opt_layout, per_param = {}, {}, {}
-        for name, p in owned:
-            entry = per_param[name] = {"scalars": {"step": opt_state["step"]}, "tensors": []}
-            for key, value in opt_state.get(p, {}).items():      # moments (and master): like p
-                tensors[f"{name}.{key}"], opt_layout[f"{name}.{key}"] = value, layout[name]
-                entry["tensors"].append(key)
-        fname = f"optimizer-{tag}.safetensors"
-        sums[fname] = write_shard(os.path.join(tmp, fname), tensors, opt_layout,
-                                  {"state": per_param})
-    return sums
+                             read_slice, shard_metadata, slice_bounds)
 
 
 def save_checkpoint(model, optimizer, pgm, config, save_root: str, step: int, state: dict) -> str:
-    """Write `<save_root>/step_{step:06d}` with weights, optimizer, RNG and `state` (step,
-    tokens seen, data position), point `latest` at it, delete beyond `keep_last`. Collective."""
-    directory = os.path.join(save_root, f"step_{step:06d}")
-    state = {"format_version": FORMAT_VERSION, "step": step, **state,
-             "layout": {k: getattr(pgm, f"{k}_size") for k in ("dp", "pp", "cp", "tp")},
-             "config": config.to_dict()}
-    if optimizer is not None:
-        state["loss_scale"] = optimizer.scaler.state_dict()
-    _save(model, optimizer, pgm, directory, state)
-    if pgm.global_rank == 0:
-        _atomic_write(os.path.join(save_root, "latest"), os.path.basename(directory) + "\n")
-        if config.checkpoint.keep_last:
-            for old in complete_checkpoints(save_root)[:-config.checkpoint.keep_last]:
-                _remove(old)
-        for debris in glob.glob(os.path.join(save_root, "step_*.tmp")) + glob.glob(
-                os.path.join(save_root, "step_*.deleting")):      # left by earlier crashes
-            shutil.rmtree(debris, ignore_errors=True)
-    dist.barrier()
-    return directory
-
-
-def _save(model, optimizer, pgm, directory: str, state) -> None:
-    tmp = directory + ".tmp"
-    if pgm.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    # Collective under ZeRO (the optimizer shards are gathered), so every rank computes it.
-    opt_state = optimizer.param_state() if optimizer is not None else None
-    sums = _write_model_shards(model, opt_state, pgm, tmp)
-    if state is not None:
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save(rng, os.path.join(tmp, f"rng-rank{pgm.global_rank}.pt"))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sums)          # also the barrier: every file is written
-    if pgm.global_rank == 0:
-        if state is not None:   # written last: a directory with state.json is complete
-            state["sha256"] = {k: v for part in gathered for k, v in part.items()}
-            _atomic_write(os.path.join(tmp, "state.json"), json.dumps(state, indent=1))
-        if os.path.exists(directory):               # re-saving a step: move the old one away
-            _remove(directory)
-        os.rename(tmp, directory)
-    dist.barrier()
-
-
-def _atomic_write(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def _remove(directory: str) -> None:
-    """Rename first, so a crash mid-delete never leaves a partial dir under a real name."""
-    trash = directory + ".deleting"
-    os.rename(directory, trash)
-    shutil.rmtree(trash)
+    """Write `<save_root>/step_{step:06d}` now (weights, optimizer, RNG, `state`: tokens
+    seen, data position), point `latest` at it, delete beyond `keep_last`. Collective.
+    train.py keeps one CheckpointSaver instead, which can write in the background."""
+    return CheckpointSaver(async_save=False).save(model, optimizer, pgm, config, save_root,
+                                                  step, state)
 
 
 def complete_checkpoints(save_root: str) -> list:
-    """Complete checkpoint directories under save_root, oldest first."""
+    """Checkpoint directories under save_root that hold a state.json, oldest first."""
+    return [d for d in _step_dirs(save_root) if os.path.isfile(os.path.join(d, "state.json"))]
+
+
+def _step_dirs(save_root: str) -> list:
     if not os.path.isdir(save_root):
         return []
-    names = sorted(d for d in os.listdir(save_root) if d.startswith("step_")
-                   and d[5:].isdigit() and os.path.isfile(os.path.join(save_root, d,
-                                                                       "state.json")))
-    return [os.path.join(save_root, d) for d in names]
+    return [os.path.join(save_root, d) for d in sorted(os.listdir(save_root))
+            if d.startswith("step_") and d[5:].isdigit()]
+
+
+def _verified(directory: str, pgm=None) -> tuple:
+    """(state, saved config, problems) of a whole check. Every rank hashes its share of the
+    files, and all of them get the union of the problems, so they decide together."""
+    rank, world = (0, 1) if pgm is None else (dist.get_rank(), dist.get_world_size())
+    state, saved, problems = directory_problems(directory, rank, world)
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, problems)
+        problems = list(dict.fromkeys(p for part in everyone for p in part))
+    return state, saved, problems
+
+
+def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> tuple:
+    """(directory, state, saved config) to resume from; (None, None, None) for "latest" when
+    nothing was saved yet. "latest" is the newest checkpoint that is complete and valid; each
+    newer one skipped is named with the reason (a warning on stderr). A checkpoint named
+    explicitly is refused if anything is wrong with it. Collective when `pgm` is given."""
+    if load_path != "latest":
+        path = load_path if os.path.isabs(load_path) else os.path.join(run_dir, load_path)
+        if not os.path.isdir(path):
+            found = [os.path.basename(d) for d in complete_checkpoints(save_root)]
+            raise CheckpointError(f"checkpoint.load_path='{load_path}' ({path}) is not a "
+                                  f"directory; checkpoints under {save_root}: "
+                                  f"{found or 'none'}; or use 'latest'")
+        state, saved, problems = _verified(path, pgm)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        return path, state, saved
+    skipped = []
+    for candidate in reversed(_step_dirs(save_root)):
+        state, saved, problems = _verified(candidate, pgm)
+        if not problems:
+            if skipped and (pgm is None or pgm.global_rank == 0):
+                print("warning: checkpoint.load_path=latest skipped " + "; ".join(skipped)
+                      + f"; resuming from {candidate}", file=sys.stderr, flush=True)
+            return candidate, state, saved
+        skipped.append(f"{os.path.basename(candidate)} ({'; '.join(problems)})")
+    if skipped:      # checkpoints exist but none can be trusted: never start over silently
+        raise CheckpointError(f"no valid checkpoint under {save_root}: {'; '.join(skipped)}; "
+                              f"repair or remove them, or set checkpoint.load_path to null "
+                              f"to start a new run")
+    return None, None, None
 
 
 def resolve_checkpoint(load_path: str, save_root: str, run_dir: str):
-    """The directory to resume from, or None for `latest` when nothing was saved yet."""
-    if load_path == "latest":
-        pointer = os.path.join(save_root, "latest")
-        if os.path.isfile(pointer):
-            with open(pointer) as f:
-                candidate = os.path.join(save_root, f.read().strip())
-            if os.path.isfile(os.path.join(candidate, "state.json")):
-                return candidate
-        found = complete_checkpoints(save_root)
-        return found[-1] if found else None
-    path = load_path if os.path.isabs(load_path) else os.path.join(run_dir, load_path)
-    if not os.path.isfile(os.path.join(path, "state.json")):
-        found = complete_checkpoints(save_root)
-        raise CheckpointError(f"checkpoint.load_path='{load_path}' ({path}) is not a complete "
-                              f"checkpoint (no state.json); complete ones under {save_root}: "
-                              f"{[os.path.basename(d) for d in found] or 'none'}; or use "
-                              f"'latest'")
-    return path
-
-
-def _check_model(saved: dict, model_cfg, directory: str) -> None:
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this config {getattr(model_cfg, k)!r}"
-             for k in SHAPE_FIELDS if saved.get(k) != getattr(model_cfg, k)]
-    if diffs:
-        raise CheckpointError(f"checkpoint {directory} was written by a model of another "
-                              f"shape ({'; '.join(diffs)}); resume with the same model "
-                              f"settings, or start a new run")
+    """The directory find_checkpoint picks (one process), or None."""
+    return find_checkpoint(load_path, save_root, run_dir)[0]
 
 
 def resume(config, run_dir: str, model, optimizer, pgm, data) -> tuple:
-    """(step, tokens seen) to continue from: checkpoint.load_path's, or (0, 0) when it is
-    unset, or "latest" with nothing saved yet (so one command both starts and resumes)."""
-    from picotron.data import check_data_state
+    """(step, tokens seen, accepted changes) to continue from: checkpoint.load_path's, or
+    (0, 0, []) when it is unset, or "latest" with nothing saved yet (so one command both starts
+    and resumes). Collective: every rank refuses a bad checkpoint together."""
     if not config.checkpoint.load_path:
-        return 0, 0
-    path = resolve_checkpoint(config.checkpoint.load_path, save_root(config, run_dir), run_dir)
+        return 0, 0, []
+    path, state, saved = find_checkpoint(config.checkpoint.load_path,
+                                         save_root(config, run_dir), run_dir, pgm)
     if path is None:
-        return 0, 0
-    state = load_checkpoint(path, model, optimizer, pgm, config, check=lambda s:
-                            check_data_state(s["data"], config, s["step"], data))
-    return state["step"], state["tokens_seen"]
+        return 0, 0, []
+    history = check_resume(state, saved, config, path, getattr(data, "num_windows", None))
+    if len(history) > len(state.get("accepted_changes") or []) and pgm.global_rank == 0:
+        print(f"warning: resuming {path} with changes that checkpoint.allow_changes accepts, "
+              f"recorded in the next checkpoints: {history[-1]['changes']}", flush=True)
+    _agree(lambda: _load(path, state, model, optimizer, pgm))
+    return state["step"], state["tokens_seen"], history
 
 
 def save_root(config, run_dir: str) -> str:
     return os.path.join(run_dir, config.checkpoint.save_dir)   # an absolute save_dir wins
 
 
-def load_checkpoint(directory: str, model, optimizer, pgm, config, check=None) -> dict:
-    """Load weights, optimizer state and RNG states; return the saved state (step, tokens
-    seen, data position). Everything is read and checked (also by `check(state)`) before the
-    model is touched, so a bad checkpoint leaves this run and the checkpoint as they were."""
+def load_checkpoint(directory: str, model, optimizer, pgm, config) -> dict:
+    """Load weights, optimizer state and RNG states after checking the whole checkpoint;
+    return its state (step, tokens seen, data position). Collective. A bad checkpoint is
+    refused on every rank before anything is changed."""
+    state, saved, problems = _verified(directory, pgm)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    check_model_shape(saved, config, directory)
+    _agree(lambda: _load(directory, state, model, optimizer, pgm))
+    return state
+
+
+def _agree(load) -> None:
+    """Run `load` (read everything, then apply) on every rank; if any rank cannot read its
+    part, every rank raises, none applies."""
+    apply, error = None, None
     try:
-        with open(os.path.join(directory, "state.json")) as f:
-            state = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {directory}/state.json ({e}); not a complete "
-                              f"checkpoint") from None
-    _check_model(state["config"]["model"], config.model, directory)
-    if check is not None:
-        check(state)
+        apply = load()
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:     # whatever it is, the other ranks must hear of it, not hang
+        error = f"loading the checkpoint failed ({type(e).__name__}: {e})"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if failed:
+        raise CheckpointError(failed[0])
+    apply()
+
+
+def _load(directory: str, state: dict, model, optimizer, pgm):
+    """Read and check this rank's part of a verified checkpoint; return a function that
+    puts it into the model, the optimizer and the RNGs (nothing is changed before)."""
     shards = lambda kind: sorted(glob.glob(os.path.join(directory, f"{kind}-*.safetensors")))
-    index = index_shards(shards("weights"), state["sha256"])
+    index = index_shards(shards("weights"))           # already verified against the manifest
     # A pipeline copy of a tied weight loads (weights and moments) under the original's name.
     params = [(getattr(p, "tied_name", n), p) for n, p in model.named_parameters()]
     wrong = [f"'{n}' (model {list(getattr(p, 'full_shape', p.shape))}, checkpoint "
@@ -215,32 +176,62 @@ def load_checkpoint(directory: str, model, optimizer, pgm, config, check=None) -
         raise CheckpointError(f"checkpoint {directory} does not fit the model: "
                               + ", ".join(wrong))
     values = {n: read_slice(index, n, slice_bounds(p)) for n, p in params}
-    opt_state = {}
-    if optimizer is not None:
-        files = shards("optimizer")
-        opt_index = index_shards(files, state["sha256"])
-        per_param = {k: v for f in files for k, v in (shard_metadata(f, "state") or {}).items()}
-        for n, p in params:
-            if per_param.get(n, {}).get("tensors"):
-                opt_state["step"] = int(per_param[n]["scalars"]["step"])
-                opt_state[p] = {key: read_slice(opt_index, f"{n}.{key}", slice_bounds(p))
-                                for key in per_param[n]["tensors"]}
-    rng_path = os.path.join(directory, f"rng-rank{pgm.global_rank}.pt")
+    opt_state = _read_optimizer(directory, shards("optimizer"), params) if optimizer else None
     same_layout = state["layout"] == {k: getattr(pgm, f"{k}_size") for k in ("dp", "pp", "cp",
                                                                              "tp")}
-    rng = torch.load(rng_path, weights_only=True) if same_layout and os.path.exists(
-        rng_path) else None
-    # ---- everything is read and checked: now change the run --------------------------------
-    with torch.no_grad():
-        for n, p in params:
-            p.copy_(values[n])
-    if optimizer is not None:
-        optimizer.load_param_state(opt_state)   # moments and masters into this rank's shards
-        if "loss_scale" in state:
-            optimizer.scaler.load_state_dict(state["loss_scale"])
-    if rng is not None:    # RNG streams belong to a rank: restored only in the same layout
-        random.setstate(rng["python"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    return state
+    # RNG streams belong to a rank: restored only in the same layout
+    rng = _read_rng(os.path.join(directory, f"rng-rank{pgm.global_rank}.safetensors")
+                    ) if same_layout else None
+
+    def apply():
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(values[n])
+        if optimizer is not None:
+            optimizer.load_param_state(opt_state)   # moments and masters into this rank's shards
+            if "loss_scale" in state:
+                optimizer.scaler.load_state_dict(state["loss_scale"])
+        if rng is not None:
+            _set_rng(rng)
+    return apply
+
+
+def _read_optimizer(directory: str, files: list, params: list) -> dict:
+    """{param: {key: tensor}, "step": n}. Either every parameter has moments or none has (a
+    checkpoint of a run whose steps were all skipped); anything between is refused."""
+    opt_index = index_shards(files)
+    per_param = {k: v for f in files for k, v in (shard_metadata(f, "state") or {}).items()}
+    with_moments = [n for n, _ in params if per_param.get(n, {}).get("tensors")]
+    if with_moments and len(with_moments) != len(params):
+        missing = [n for n, _ in params if n not in with_moments]
+        raise CheckpointError(f"checkpoint {directory} has optimizer state for some "
+                              f"parameters but not for {missing}; it is incomplete: resume "
+                              f"from another checkpoint")
+    opt_state = {}
+    for n, p in params:
+        if n in with_moments:
+            opt_state["step"] = int(per_param[n]["scalars"]["step"])
+            opt_state[p] = {key: read_slice(opt_index, f"{n}.{key}", slice_bounds(p))
+                            for key in per_param[n]["tensors"]}
+    return opt_state
+
+
+def _read_rng(path: str) -> dict:
+    try:
+        with safe_open(path, "pt") as f:
+            rng = {k: f.get_tensor(k) for k in f.keys()}
+            python = json.loads((f.metadata() or {})["python"])
+        rng["python"] = (python[0], tuple(python[1]), python[2])
+    except Exception as e:     # verified, so only a file changed since: name it
+        raise CheckpointError(f"{path} is not a readable RNG state ({type(e).__name__}: {e})"
+                              ) from None
+    return rng
+
+
+def _set_rng(rng: dict) -> None:
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda.")),
+                                   key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)

@@ -53,18 +53,13 @@ def _open(path: str):
                               ) from None
 
 
-def index_shards(paths: list, checksums: dict = None) -> dict:
+def index_shards(paths: list) -> dict:
     """{name: [(path, bounds, full_shape, key in the file), ...]} over the given shard files.
 
-    checksums {file name: sha256} (from state.json) are verified first. A file without a
-    "layout" (Hugging Face's) holds whole tensors."""
+    A file without a "layout" (Hugging Face's) holds whole tensors. A checkpoint's files are
+    verified as a whole before they are indexed (picotron/checkpoint_verify.py)."""
     index = {}
     for path in paths:
-        expected = (checksums or {}).get(os.path.basename(path))
-        if expected is not None and sha256(path) != expected:
-            raise CheckpointError(f"{path} does not match the checksum recorded when it was "
-                                  f"written: the file is corrupt; resume from another "
-                                  f"checkpoint")
         with _open(path) as f:
             meta = f.metadata() or {}
             layout = json.loads(meta["layout"]) if "layout" in meta else None

@@ -16,6 +16,7 @@ from tiny import documents, one_process_group
 from picotron.checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint,
                                  resolve_checkpoint, save_checkpoint)
 from picotron.config import Config
+from picotron.data import data_state
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.model import Decoder, materialize
 from picotron.shards import index_shards
@@ -84,8 +85,10 @@ import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch
 import picotron.checkpoint as ck
+import picotron.checkpoint_write as ck_write
 from tiny import one_process_group
 from picotron.config import Config
+from picotron.data import data_state
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.loss import causal_lm_loss
 from picotron.model import Decoder, materialize
@@ -106,12 +109,12 @@ for step in (1, 2):
     grads.zero_grad()
     if step == 2:        # die like kill -9: {where}
         if {where!r} == "shard":
-            real = ck.write_shard
-            ck.write_shard = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), 9))
+            real = ck_write.write_shard
+            ck_write.write_shard = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), 9))
         else:
             ck.os.rename = lambda *a: os.kill(os.getpid(), 9)
     ck.save_checkpoint(model, opt, pgm, config, {save_root!r}, step,
-                       {{"tokens_seen": step, "data": {{}}}})
+                       {{"tokens_seen": step * 8 * 256, "data": data_state(config, step, None)}})
 """
 
 
@@ -136,11 +139,12 @@ def test_a_save_killed_part_way_is_never_latest(tmp_path, where):
     pgm = one_process_group()
     opt = DistributedAdamW(GradBuckets(model, pgm, config), pgm, config)
     state = load_checkpoint(latest, model, opt, pgm, config)
-    assert state["step"] == 1 and state["tokens_seen"] == 1
+    assert state["step"] == 1 and state["tokens_seen"] == 8 * 256
     steps = [int(s["step"]) for o in opt.optimizers for s in o.state.values()]
     assert steps and all(n == 1 for n in steps)
     # The next save of that step replaces the debris and becomes the latest.
-    save_checkpoint(model, opt, pgm, config, save_root, 2, {"tokens_seen": 2, "data": {}})
+    save_checkpoint(model, opt, pgm, config, save_root, 2,
+                    {"tokens_seen": 2 * 8 * 256, "data": data_state(config, 2, None)})
     assert resolve_checkpoint("latest", save_root, str(tmp_path)).endswith("step_000002")
     assert not [d for d in os.listdir(save_root) if d.endswith(".tmp")]
 
@@ -165,7 +169,7 @@ def tree_digest(path: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case", ["text_column", "model_shape", "corrupt_weights"])
+@pytest.mark.parametrize("case", ["text_column", "model_shape", "corrupt_weights", "seed"])
 def test_bad_input_fails_clearly_and_touches_no_checkpoint(reference_run, tmp_path, case):
     """Rerun a copy of the finished run with one thing wrong and load_path=latest."""
     run = tmp_path / "run"
@@ -178,6 +182,10 @@ def test_bad_input_fails_clearly_and_touches_no_checkpoint(reference_run, tmp_pa
     raw["training"]["gradient_accumulation_steps"] = 4
     if case == "text_column":
         raw["dataset"]["text_column"], expected = "body", "has no column 'body'"
+    elif case == "seed":
+        raw["training"]["seed"] += 1
+        expected = (f"training.seed: checkpoint {raw['training']['seed'] - 1}, this config "
+                    f"{raw['training']['seed']} (the data order follows the seed)")
     elif case == "model_shape":
         raw["model"]["hidden_size"], expected = 64, "hidden_size: checkpoint 32, this config 64"
     else:
@@ -185,7 +193,9 @@ def test_bad_input_fails_clearly_and_touches_no_checkpoint(reference_run, tmp_pa
         data = bytearray(shard.read_bytes())
         data[-10:] = b"\xff" * 10
         shard.write_bytes(bytes(data))
-        expected = "does not match the checksum"
+        # named explicitly: refused (with "latest" an older checkpoint would be resumed)
+        raw["checkpoint"]["load_path"] = "checkpoints/step_000008"
+        expected = "weights-pp0-tp0.safetensors: does not match the sha256"
     with open(run / "config.json", "w") as f:
         json.dump(raw, f)
     before = tree_digest(str(run))

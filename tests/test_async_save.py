@@ -1,0 +1,97 @@
+"""checkpoint.async_save, in one process: the files are written while training goes on, yet
+the checkpoint holds the step it was taken at (the same tensors and state a synchronous save
+writes) and resumes exactly; one save at a time; a writer's error surfaces at the next wait.
+The 4-rank end-to-end run (train.py with async_save) is in tests/test_checkpoint_ranks.py."""
+import os
+import threading
+
+import pytest
+import torch
+
+from checkpoint_helpers import (build, content_of, same_content, save_at, step_state,
+                                tiny_config, train_one, weights_of)
+from tiny import one_process_group
+import picotron.checkpoint_write as checkpoint_write
+from picotron.async_save import CheckpointSaver
+from picotron.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+
+
+def held_writer(monkeypatch, gate: threading.Event, fail: str = None):
+    """Make every shard write wait for `gate` (then fail with `fail`, if given)."""
+    real = checkpoint_write.write_shard
+
+    def write_shard(*args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        if fail:
+            raise OSError(fail)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(checkpoint_write, "write_shard", write_shard)
+
+
+def test_an_async_save_holds_its_step_byte_for_byte_and_resumes_exactly(tmp_path,
+                                                                       monkeypatch):
+    config = tiny_config()
+    model, grads, opt = build(config)
+    for step in (1, 2):
+        train_one(model, grads, opt, step)
+    sync_dir = save_at(model, opt, config, str(tmp_path / "sync"), 2)
+    at_step_2 = weights_of(model)
+    gate = threading.Event()
+    held_writer(monkeypatch, gate)
+    saver = CheckpointSaver(async_save=True)
+    async_dir = saver.save(model, opt, one_process_group(), config, str(tmp_path / "async"), 2,
+                           step_state(config, 2))
+    train_one(model, grads, opt, 3)          # training changes every weight and moment ...
+    assert not os.path.exists(async_dir)     # ... while the files are still to be written
+    gate.set()
+    saver.wait()
+    assert same_content(content_of(async_dir), content_of(sync_dir))   # state.json included
+    assert resolve_checkpoint("latest", str(tmp_path / "async"), "/") == async_dir
+    # Resume from it: the step-2 weights, and step 3 trains to the same weights.
+    model2, grads2, opt2 = build(config, seed=5)
+    load_checkpoint(async_dir, model2, opt2, one_process_group(), config)
+    assert all(torch.equal(at_step_2[n], v) for n, v in weights_of(model2).items())
+    train_one(model2, grads2, opt2, 3)
+    assert all(torch.equal(weights_of(model)[n], v) for n, v in weights_of(model2).items())
+
+
+def test_one_save_in_flight_the_next_waits_for_it(tmp_path, monkeypatch):
+    config = tiny_config()
+    model, grads, opt = build(config)
+    train_one(model, grads, opt, 1)
+    gate = threading.Event()
+    held_writer(monkeypatch, gate)
+    saver, root = CheckpointSaver(async_save=True), str(tmp_path / "checkpoints")
+    saver.save(model, opt, one_process_group(), config, root, 1, step_state(config, 1))
+    second = threading.Thread(target=saver.save, args=(model, opt, one_process_group(), config,
+                                                       root, 2, step_state(config, 2)))
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and not os.path.exists(os.path.join(root, "step_000002.tmp"))
+    gate.set()                               # the first save finishes, then the second starts
+    second.join(60)
+    saver.wait()
+    assert sorted(d for d in os.listdir(root) if d.startswith("step_")) == [
+        "step_000001", "step_000002"]
+
+
+def test_a_failed_write_surfaces_at_the_next_wait_and_is_never_latest(tmp_path, monkeypatch):
+    config = tiny_config()
+    model, grads, opt = build(config)
+    train_one(model, grads, opt, 1)
+    root = str(tmp_path / "checkpoints")
+    save_at(model, opt, config, root, 1)
+    gate = threading.Event()
+    gate.set()
+    held_writer(monkeypatch, gate, fail="No space left on device")
+    saver = CheckpointSaver(async_save=True)
+    saver.save(model, opt, one_process_group(), config, root, 2, step_state(config, 2))
+    with pytest.raises(CheckpointError, match="saving checkpoint .*step_000002 failed .*rank 0: "
+                                              "OSError: No space left on device"):
+        saver.wait()
+    assert resolve_checkpoint("latest", root, "/").endswith("step_000001")
+    assert open(os.path.join(root, "latest")).read().strip() == "step_000001"
+    monkeypatch.undo()                       # the disk has room again: the next save works
+    saver.save(model, opt, one_process_group(), config, root, 2, step_state(config, 2))
+    saver.wait()
+    assert resolve_checkpoint("latest", root, "/").endswith("step_000002")
