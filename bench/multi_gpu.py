@@ -19,13 +19,16 @@ call. Nothing here depends on N: the same command runs on 1, 2 or 8 GPUs.
    tokens/s/GPU over the one-GPU run of the same shape. dp=2 runs with the bucketed
    all-reduce overlapping backward and without (distributed.overlap_grad_reduce=false): the
    difference is the time the overlap hides. tp=2 runs on the 1.7B shape: 360M's 15 query and
-   5 kv heads cannot be split over 2 ranks.
+   5 kv heads cannot be split over 2 ranks. ZeRO-3 (parameters sharded, each layer gathered
+   around its use) runs on the 1.7B shape against ZeRO-1 on the same GPUs, at dp2 and at one
+   GPU (`--only zero`): tokens/s/GPU and peak memory per GPU.
 Everything goes to stdout and DIR/multi_gpu.txt; each run's metrics stay under DIR/runs.
 """
 import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -45,6 +48,9 @@ PARITY = [("dp2", 2, ["--dp", "2"]), ("tp2-sp", 2, ["--tp", "2", "--set",
           ("pp2-1f1b", 2, ["--pp", "2", "--pp_engine", "1f1b"]),
           ("pp2-interleaved", 2, ["--pp", "2", "--pp_engine", "interleaved"]),
           ("cp2", 2, ["--cp", "2"]),
+          ("dp2-zero3", 2, ["--dp", "2", "--zero_stage", "3"]),
+          ("dp2-zero3-keep", 2, ["--dp", "2", "--zero_stage", "3", "--set",
+                                 "distributed.zero3_keep_params=true"]),
           ("2x2x2x1", 8, ["--dp", "2", "--tp", "2", "--pp", "2", "--zero_stage", "1"]),
           ("2x1x2x2", 8, ["--dp", "2", "--pp", "2", "--cp", "2"]),
           ("1x2x2x2", 8, ["--tp", "2", "--pp", "2", "--cp", "2"]),
@@ -58,6 +64,14 @@ THROUGHPUT = [
     # 360M's 15 query / 5 kv heads do not split over tp=2 (the config refuses it): tp2 on 1.7B
     ("1.7B 1 GPU", 1, "SmolLM-1.7B", 16, 2048, []),
     ("1.7B tp2", 2, "SmolLM-1.7B", 16, 2048, ["--tp", "2"]),
+    # ZeRO-3 (parameters sharded, gathered layer by layer) against ZeRO-1 on the same GPUs;
+    # at one GPU ZeRO-3 shards nothing: its row shows what the gathers and fp32 shards cost
+    ("1.7B 1 GPU zero1", 1, "SmolLM-1.7B", 16, 2048, ["--zero_stage", "1"]),
+    ("1.7B 1 GPU zero3", 1, "SmolLM-1.7B", 16, 2048, ["--zero_stage", "3"]),
+    ("1.7B dp2 zero1", 2, "SmolLM-1.7B", 16, 2048, ["--dp", "2", "--zero_stage", "1"]),
+    ("1.7B dp2 zero3", 2, "SmolLM-1.7B", 16, 2048, ["--dp", "2", "--zero_stage", "3"]),
+    ("1.7B dp2 zero3 keep", 2, "SmolLM-1.7B", 16, 2048,
+     ["--dp", "2", "--zero_stage", "3", "--set", "distributed.zero3_keep_params=true"]),
     ("1.7B dp8 zero0", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "8"]),
     ("1.7B dp8 zero1", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "8", "--zero_stage", "1"]),
     ("1.7B dp4 tp2", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "4", "--tp", "2"]),
@@ -97,12 +111,20 @@ def train(args, name, world, flags, timeout=900):
                   if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", ln)]
         return f"FAILED rc={proc.returncode}: " + (
             "\n".join(dict.fromkeys(errors)) or proc.stderr.strip()[-600:])
-    with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
+    with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:   # null: not finite
+        return [{**r, "loss": math.nan if r["loss"] is None else r["loss"]}
+                for r in map(json.loads, f) if "loss" in r]
 
 
 def max_rel_diff(a, b):
-    return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+    """The largest relative loss difference; NaN when a loss was not finite (a FAIL)."""
+    diffs = [abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b)]
+    return max(diffs) if all(map(math.isfinite, diffs)) else math.nan
+
+
+def devices(args, n: int) -> str:
+    """'2 GPUs', or '2 CPU ranks' with --cpu: what a run needs or ran on."""
+    return f"{n} {'CPU rank' if args.cpu else 'GPU'}{'s' if n != 1 else ''}"
 
 
 def parity(args, emit):
@@ -112,7 +134,7 @@ def parity(args, emit):
         flags = base + ["--set", f"training.dtype={dtype}"]
         ref = train(args, f"ref-{dtype}", 1, flags + ["--mbs", "2", "--grad_acc_steps", "8"])
         if isinstance(ref, str):
-            emit(f"parity {dtype}: one-GPU reference {ref}")
+            emit(f"parity {dtype}: reference on {devices(args, 1)}: {ref}")
             continue
         tol = 1e-5
         if dtype == "bfloat16":         # the noise of bf16 itself: another split of the batch
@@ -124,7 +146,7 @@ def parity(args, emit):
                  f"-> tolerance {tol:.2e}")
         for name, world, layout in PARITY:
             if world > args.gpus:
-                emit(f"parity {dtype} {name:16s} skipped: needs {world} GPUs")
+                emit(f"parity {dtype} {name:16s} skipped: needs {devices(args, world)}")
                 continue
             dp = int(layout[layout.index("--dp") + 1]) if "--dp" in layout else 1
             run = train(args, f"{name}-{dtype}", world, flags + layout + [
@@ -147,7 +169,7 @@ def throughput(args, emit):
         if args.only and args.only not in name:
             continue
         if world > args.gpus:
-            emit(f"{name:22s} skipped: needs {world} GPUs")
+            emit(f"{name:22s} skipped: needs {devices(args, world)}")
             continue
         if args.cpu:        # a dry run of the code path: the debug model, short sequences
             model, mbs, seq = "debug", 2, 64
@@ -163,24 +185,34 @@ def throughput(args, emit):
         tps = statistics.median(r["tokens_per_s_per_gpu"] for r in steady)
         mfu = statistics.median(r["mfu"] or 0.0 for r in steady)
         peak = max(r["peak_mem_gb"] for r in steady)
-        if world == 1:
+        if world == 1 and not layout:      # the plain one-GPU row is the baseline
             per_gpu_1[model] = tps
         scaling = tps / per_gpu_1[model] if model in per_gpu_1 else float("nan")
-        emit(f"{name:22s} {world} GPU  {tps:>9,.0f} tok/s/GPU  MFU {100 * mfu:5.1f}%  "
-             f"peak {peak:6.1f} GB/GPU  scaling efficiency {scaling:.2f}")
+        per = "rank" if args.cpu else "GPU"
+        emit(f"{name:22s} {devices(args, world)}  {tps:>9,.0f} tok/s/{per}  MFU "
+             f"{100 * mfu:5.1f}%  peak {peak:6.1f} GB/{per}  scaling efficiency {scaling:.2f}")
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--gpus", type=int, default=None, help="default: every GPU of the machine")
-    p.add_argument("--parts", default="parity,throughput")
-    p.add_argument("--steps", type=int, default=10, help="throughput: steps per run")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use, or CPU ranks with "
+                   "--cpu; layouts that need more are skipped (default: every GPU of the "
+                   "machine; 2 with --cpu)")
+    p.add_argument("--parts", default="parity,throughput",
+                   help="parity, throughput or both, comma-separated (default: both)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="throughput: steps per run (default: 10)")
     p.add_argument("--fused_loss", default="auto", help="throughput: training.fused_loss "
                    "(auto: the default; refused with tp > 1 unless none or auto)")
-    p.add_argument("--cpu", action="store_true", help="gloo CPU ranks instead of GPUs")
-    p.add_argument("--only", default="", help="throughput: rows whose name contains this")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="parity: training.dtype list")
-    p.add_argument("--out", default=os.environ.get("OUT", "multi_gpu_out"))
+    p.add_argument("--cpu", action="store_true", help="gloo CPU ranks instead of GPUs (a "
+                   "dry run of the same code: the debug model, short sequences)")
+    p.add_argument("--only", default="",
+                   help="throughput: only the rows whose name contains this, e.g. 1.7B")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="parity: training.dtype values, comma-separated (default: %(default)s)")
+    p.add_argument("--out", default=os.environ.get("OUT", "multi_gpu_out"), help="folder of "
+                   "multi_gpu.txt and the runs (default: $OUT, else multi_gpu_out)")
     args = p.parse_args()
     if args.gpus is None:
         import torch
@@ -192,7 +224,7 @@ def main():
     def emit(text):
         print(text, flush=True)
         lines.append(text)
-    emit(f"{args.gpus} {'CPU rank' if args.cpu else 'GPU'}(s); parts: {args.parts}")
+    emit(f"{devices(args, args.gpus)}; parts: {args.parts}")
     for part in args.parts.split(","):
         {"parity": parity, "throughput": throughput}[part](args, emit)
     with open(os.path.join(args.out, "multi_gpu.txt"), "w") as f:

@@ -185,25 +185,35 @@ def init_full_tensor(name: str, shape, is_norm: bool, seed: int, std: float):
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
-def materialize(model: nn.Module, seed: int, device, dtype, std: float = 0.02) -> nn.Module:
-    """Replace every meta parameter by its initial value, one parameter at a time.
+def initial_values(model: nn.Module, seed: int, std: float = 0.02):
+    """Yield (parameter, its initial value) one parameter at a time, the value fp32 on the CPU.
 
     A parameter that holds a slice of a larger tensor (tensor parallelism) carries
     `param.full_shape` and `param.local_slice` (a tuple of slices): the full tensor is drawn,
-    this rank keeps its slice, and the rest is freed before the next parameter. A parameter
-    that carries `tied_name` (the last pipeline stage's copy of a tied embedding) is drawn
-    under that name, so it starts equal to the original."""
-    new = {}
+    and the value is this rank's slice; the rest is freed before the next parameter. A
+    parameter that carries `tied_name` (the last pipeline stage's copy of a tied embedding) is
+    drawn under that name, so it starts equal to the original."""
     for name, p in model.named_parameters():            # tied weights appear once
         module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         full_shape = getattr(p, "full_shape", p.shape)
         value = init_full_tensor(getattr(p, "tied_name", name), full_shape,
                                  isinstance(module, tuple(NORMS.values())), seed, std)
-        value = value[getattr(p, "local_slice", ())]
+        yield p, value[getattr(p, "local_slice", ())]
+
+
+def materialize(model: nn.Module, seed: int, device, dtype, std: float = 0.02) -> nn.Module:
+    """Replace every meta parameter by its initial value (`initial_values`), one at a time."""
+    new = {}
+    for p, value in initial_values(model, seed, std):
         param = nn.Parameter(value.to(device=device, dtype=dtype))
         param.__dict__.update(vars(p))       # what parallelism marked on it: slices, groups
         new[id(p)] = param
-    for module in model.modules():                      # swap in place, both ends of a tie
+    return replace_parameters(model, new)
+
+
+def replace_parameters(model: nn.Module, new: dict) -> nn.Module:
+    """Swap each parameter p for new[id(p)] in every module that holds it (both ends of a tie)."""
+    for module in model.modules():
         for pname, p in module._parameters.items():
             if p is not None and id(p) in new:
                 module._parameters[pname] = new[id(p)]

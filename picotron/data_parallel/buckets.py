@@ -33,6 +33,7 @@ sharded across TP or replicated (`local_slice`), counted in the grad norm or not
 must be summed first (`grad_sum_group`: norm weights under sequence parallelism, a tied
 embedding split across pipeline stages).
 """
+import contextlib
 import weakref
 
 import torch
@@ -242,6 +243,11 @@ class GradBuckets:
     def param_shard(self, bucket):
         start = self.shard_index * bucket.shard_numel
         return bucket.params[start:start + bucket.shard_numel]
+
+    def full_parameters(self, write_back: bool = False):
+        """Every parameter is whole here at all times (ZeRO-3's ShardedParams gathers them
+        for a checkpoint's save or load inside this block)."""
+        return contextlib.nullcontext()
 
     def all_gather_params(self):
         """After each rank updated its shard: every rank gets every shard (ZeRO >= 1)."""

@@ -177,21 +177,24 @@ class DistributedAdamW:
         for b, master, shard in zip(self.grads.buckets, self.masters, self.param_shards):
             opt = self._optimizer_of(master)
             start = self.grads.shard_index * b.shard_numel
-            def piece(key):
+            def piece(value_of):                 # value_of(p): a tensor shaped like p
                 flat = torch.zeros(b.numel, dtype=torch.float32, device=b.params.device)
                 for p, offset in zip(b.members, b.offsets):
-                    flat[offset:offset + p.numel()] = state[p][key].flatten()
+                    flat[offset:offset + p.numel()] = value_of(p).flatten()
                 return flat[start:start + b.shard_numel].to(master.device, master.dtype)
             with torch.no_grad():
                 if master is not shard:
+                    # no saved master (fp32 weights): the loaded parameters are the master
+                    # (read whole: ZeRO-3 gathers them for the load)
                     has = all("master" in state.get(p, {}) for p in b.members)
-                    master.copy_(piece("master") if has else shard)
+                    master.copy_(piece(lambda p: state[p]["master"] if has else p))
             if all("exp_avg" in state.get(p, {}) for p in b.members):
                 fused = opt.defaults.get("fused")
                 opt.state[master] = {
                     "step": torch.tensor(float(state["step"]), dtype=torch.float32,
                                          device=master.device if fused else "cpu"),
-                    "exp_avg": piece("exp_avg"), "exp_avg_sq": piece("exp_avg_sq")}
+                    "exp_avg": piece(lambda p: state[p]["exp_avg"]),
+                    "exp_avg_sq": piece(lambda p: state[p]["exp_avg_sq"])}
 
     def _optimizer_of(self, master):
         return next(o for o in self.optimizers
