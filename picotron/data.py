@@ -10,20 +10,25 @@ Sources:
   default corpus exists on any machine, tokenized byte-level (vocab 256) as in the enwik8
   setup. Documents (files) are separated by byte 0, which never occurs in Python source.
 - "synthetic": uniform random tokens drawn from the seed and the sample index.
+- a local file with `dataset.byte_range` [start, stop): its bytes as they are, one stream (token
+  = byte value, no documents, no tokenizer), memory-mapped: enwik8's setup. The validation
+  windows come from `dataset.val_byte_range`, another range of the same file.
 - anything else: a Hugging Face dataset (hub id or local files), tokenized once into a cache
   and packed the same way (picotron/tokenized_data.py).
 
-Validation: `dataset.val_samples` windows held out, from `dataset.val_split` when given, else
-carved off the end of the training stream before shuffling (so no training window overlaps
-them). They are read in order, never shuffled.
+Validation: `dataset.val_samples` windows held out, from `dataset.val_split` (or
+`val_byte_range`) when given, else carved off the end of the training stream before shuffling
+(so no training window overlaps them). They are read in order, never shuffled.
 """
 import os
 import sysconfig
 
+import numpy as np
 import torch
 
 from picotron.context_parallel.sharding import shard_sequence
 from picotron.errors import DataError  # noqa: F401  (re-exported: the entry points catch it)
+from picotron.tokenizer import is_byte_tokenizer
 
 EMBEDDED_MAX_BYTES = 8 * 2 ** 20      # 8 MiB of source: ~30k windows of 256 tokens
 DOCUMENT_SEPARATOR = 0                 # byte-level "end of document"
@@ -46,6 +51,44 @@ def embedded_corpus_bytes(max_bytes: int = EMBEDDED_MAX_BYTES) -> torch.Tensor:
         raise DataError(f"no Python source found under {root} for the embedded corpus; "
                               f"use dataset.name='synthetic'")
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+
+
+def file_bytes(path: str, byte_range: list, key: str) -> torch.Tensor:
+    """Bytes [start, stop) of a local file, (stop - start,) uint8, memory-mapped copy-on-write
+    (pages are read when a window needs them; the file is never written)."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise DataError(f"dataset.{key} reads the bytes of a local file, but dataset.name="
+                        f"'{path}' is not a file; give the path of the file (e.g. enwik8)")
+    start, stop = byte_range
+    size = os.path.getsize(path)
+    if stop > size:
+        raise DataError(f"dataset.{key}={byte_range} ends past the end of {path} ({size} "
+                        f"bytes); lower its stop to at most {size}")
+    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", offset=start,
+                                      shape=(stop - start,)))
+
+
+def byte_ranges(config):
+    """(train, validation) windows of `dataset.byte_range` and `val_byte_range` of one file;
+    without val_byte_range, val_samples windows are carved off the end of the training range.
+    num_samples caps the training windows (they are windows here, as for "embedded")."""
+    d, t = config.dataset, config.training
+    train_bytes = file_bytes(d.name, d.byte_range, "byte_range")
+    if d.val_byte_range is None:
+        return split_stream(train_bytes, config, d.num_samples)
+    windows = len(train_bytes) // (t.seq_length + 1)
+    train = PackedTokens(train_bytes, t.seq_length, t.seed,
+                         count=min(windows, d.num_samples or windows))
+    if not d.val_samples:
+        return train, None
+    val_bytes = file_bytes(d.name, d.val_byte_range, "val_byte_range")
+    count = min(d.val_samples, len(val_bytes) // (t.seq_length + 1))
+    if count == 0:
+        raise DataError(f"dataset.val_byte_range={d.val_byte_range} holds {len(val_bytes)} "
+                        f"bytes, fewer than one window of seq_length+1 = {t.seq_length + 1}; "
+                        f"widen it")
+    return train, PackedTokens(val_bytes, t.seq_length, t.seed, 0, count, shuffle=False)
 
 
 def _generator(seed: int, *keys: int) -> torch.Generator:
@@ -130,13 +173,16 @@ def build_train_val(config, run_dir=None):
         if m.vocab_size < 256:
             raise DataError(f"the embedded corpus is byte-level and needs "
                             f"model.vocab_size >= 256, got {m.vocab_size}")
-        if config.checkpoint.init_from and d.tokenizer != "byte":
+        if (config.checkpoint.init_from and d.tokenizer != "byte"
+                and not is_byte_tokenizer(config.checkpoint.init_from)):
             raise DataError(f"the embedded corpus is byte-level, but the weights of "
                             f"{config.checkpoint.init_from} expect their own tokenizer; set "
                             f"dataset.name to a dataset (it is tokenized with the model's "
                             f"tokenizer), or dataset.tokenizer='byte' if you mean it")
         # num_samples counts windows here (the corpus has no rows).
         return split_stream(embedded_corpus_bytes(), config, d.num_samples)
+    if d.byte_range is not None:
+        return byte_ranges(config)
     from picotron.tokenized_data import dataset_tokens
     train_tokens = dataset_tokens(config, d.split, run_dir)
     if d.val_split is None:

@@ -1,4 +1,5 @@
-"""Hugging Face import (start from released Llama weights) and export (back to transformers).
+"""Hugging Face import (start from released Llama weights) and export (back to transformers);
+PaLM-style models go both ways as transformers' CohereForCausalLM (hf_cohere.py).
 
 Our parameter names are Hugging Face Llama names without the `model.` prefix
 (`model.layers.3.mlp.up_proj.weight` <-> `layers.3.mlp.up_proj.weight`; `lm_head.weight` has
@@ -13,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from picotron import hf_cohere
 from picotron.shards import (CheckpointError, checkpoint_config, index_shards, load_full_weights,
                              read_slice, slice_bounds)
 
@@ -72,7 +74,14 @@ def load_hf_weights(model, source: str) -> None:
     directory or hub id); each rank reads only its own slice (`local_slice`). Every tensor is
     checked against the model before any parameter is written."""
     from picotron.model import Decoder
-    files = _weight_files(hf_model_dir(source))
+    directory = hf_model_dir(source)
+    cohere = _model_type(directory) == "cohere"
+    if cohere and not hf_cohere.is_palm_style(model.cfg):
+        raise CheckpointError(
+            f"'{source}' is a CohereForCausalLM (the PaLM-style block), but this config has "
+            f"parallel_residual={model.cfg.parallel_residual}, norm_type="
+            f"{model.cfg.norm_type!r}; create the config with --model_name pointing at it")
+    files = _weight_files(directory)
     index = {our_name(k): v for k, v in index_shards(files).items()
              if not k.endswith(IGNORED)}
     with torch.device("meta"):     # every name of the whole model, whatever this rank holds
@@ -96,9 +105,21 @@ def load_hf_weights(model, source: str) -> None:
     # A pipeline stage's copy of a tied embedding reads the embedding (`tied_name`).
     values = {n: read_slice(index, getattr(p, "tied_name", n), slice_bounds(p))
               for n, p in model.named_parameters()}
+    if cohere:                          # its RoPE pairs other rows (hf_cohere.py)
+        head_dim = model.cfg.hidden_size // model.cfg.num_attention_heads
+        values = {n: hf_cohere.from_cohere_rows(v, head_dim)
+                  if hf_cohere.is_rope_rotated(n) else v for n, v in values.items()}
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(values[n])
+
+
+def _model_type(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            return json.load(f).get("model_type", "llama")
+    except (OSError, ValueError):
+        return "llama"
 
 
 def hf_config(model: dict, dtype: str, bos, eos) -> dict:
@@ -122,12 +143,10 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     from picotron.tokenizer import load_tokenizer, save_byte_tokenizer, tokenizer_source
     config = checkpoint_config(checkpoint_dir)
     m = config.model
-    if m.parallel_residual or m.norm_type != "rmsnorm":
-        raise CheckpointError(
-            f"this checkpoint is a PaLM-style model (parallel_residual={m.parallel_residual}, "
-            f"norm_type={m.norm_type!r}); Llama has sequential residuals and RMSNorm, so no "
-            f"LlamaForCausalLM computes the same function: export refused")
+    hf_cohere.check_exportable(m)          # Llama, or PaLM-style as CohereForCausalLM
     weights = load_full_weights(checkpoint_dir)
+    if hf_cohere.is_palm_style(m):
+        weights = hf_cohere.cohere_weights(weights, m.hidden_size // m.num_attention_heads)
     os.makedirs(out_dir, exist_ok=True)
     source = tokenizer or tokenizer_source(config)
     if source == "byte":
@@ -141,7 +160,8 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     save_file({hf_name(n): t.contiguous() for n, t in weights.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(config.to_dict()["model"], dtype, bos, eos), f, indent=2)
+        write_config = hf_cohere.cohere_config if hf_cohere.is_palm_style(m) else hf_config
+        json.dump(write_config(config.to_dict()["model"], dtype, bos, eos), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
     return out_dir

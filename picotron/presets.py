@@ -31,8 +31,14 @@ def model_fields_from_hf(hf: dict, source: str) -> dict:
     compute exactly (the message names the key and its value)."""
     problems = [f"{k}={hf[k]!r} (supported: {v!r})" for k, v in UNSUPPORTED.items()
                 if k in hf and hf[k] != v and not (k == "attention_dropout" and hf[k] == 0)]
-    if hf.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "smollm3"):
-        problems.append(f"model_type={hf.get('model_type')!r} (supported: a Llama-family model)")
+    cohere = hf.get("model_type") == "cohere"       # the PaLM-style block (hf_cohere.py)
+    if cohere:
+        problems += [f"{k}={hf.get(k, default)!r} (supported: {v!r})" for k, v, default in
+                     (("logit_scale", 1.0, 0.0625), ("use_qk_norm", False, False))
+                     if hf.get(k, default) != v]
+    elif hf.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "smollm3"):
+        problems.append(f"model_type={hf.get('model_type')!r} (supported: a Llama-family model, "
+                        f"or 'cohere' for the PaLM-style block)")
     rope = hf.get("rope_parameters") or {}      # transformers >= 5 nests rope_theta here
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_parameters.rope_type={rope['rope_type']!r} (supported: "
@@ -47,6 +53,10 @@ def model_fields_from_hf(hf: dict, source: str) -> dict:
     if "rope_theta" in rope:
         fields["rope_theta"] = float(rope["rope_theta"])
     fields.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
+    if cohere:       # one shared LayerNorm, parallel branches; transformers ties by default
+        fields.update(parallel_residual=True, norm_type="layernorm",
+                      rms_norm_eps=hf.get("layer_norm_eps", 1e-5),
+                      tie_word_embeddings=hf.get("tie_word_embeddings", True))
     return {k: v for k, v in fields.items() if v is not None}
 
 

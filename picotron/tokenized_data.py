@@ -2,21 +2,23 @@
 
 `dataset.name` is a local path (a directory, a file, or a glob of .txt / .json / .jsonl /
 .parquet / .arrow / .csv files, or a folder written by `Dataset.save_to_disk`) or a hub id.
-Rank 0 loads the split, keeps the first `num_samples` rows (documents, as picotron does),
-tokenizes the `text_column` with `datasets.map` (cached by `datasets` under a fingerprint of
-the data and the tokenizer), and writes the stream as one .npy file under
-`<run dir>/data_cache/`. Every other rank waits at a broadcast and then memory-maps that file,
-so the corpus is tokenized once, not once per rank. A failure on rank 0 (missing file, wrong
-column) is sent to every rank, so all of them stop with the same message instead of hanging.
+Rank 0 looks the data up in the token cache shared by every run (token_cache.py: keyed by the
+files' fingerprints, the tokenizer's and the packing settings, so a hit loads neither the
+tokenizer nor the dataset). On a miss it loads the split, keeps the first `num_samples` rows
+(documents, as picotron does), tokenizes the `text_column` with `datasets.map` and writes the
+stream as one .npy entry of the cache. Every other rank waits at a broadcast and then
+memory-maps that file, so the corpus is tokenized once, not once per rank nor once per run.
+A failure on rank 0 (missing file, wrong column) is sent to every rank, so all of them stop
+with the same message instead of hanging.
 """
 import glob
-import hashlib
 import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from picotron import token_cache
 from picotron.errors import DataError
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
@@ -73,27 +75,54 @@ def load_documents(d, split: str):
     return splits
 
 
-def _cache_key(config, split: str, docs, tokenizer) -> str:
+def _fingerprints(config, split: str):
+    """(cache key, tokenizer or None, documents or None): the key from cheap fingerprints,
+    loading the tokenizer or the documents only when they cannot be fingerprinted unloaded."""
     d = config.dataset
-    fingerprint = tokenizer.fingerprint() if hasattr(tokenizer, "fingerprint") else "byte"
-    parts = [d.name, str(d.subset_name), split, d.text_column, str(d.num_samples),
-             getattr(docs, "_fingerprint", ""), fingerprint]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+    source = tokenizer_source(config)
+    tokenizer, docs = None, None
+    tok_print = token_cache.tokenizer_fingerprint(source)
+    if tok_print is None:                    # a hub tokenizer not downloaded yet
+        tokenizer = _checked_tokenizer(config, source)
+        tok_print = (token_cache.tokenizer_fingerprint(source)    # downloaded now
+                     or f"{tokenizer.name}:{tokenizer.fingerprint()}")
+    data_print = token_cache.data_fingerprint(d.name)
+    if data_print is None:                   # a hub dataset not downloaded yet (or no path)
+        docs = load_documents(d, split)
+        data_print = (token_cache.data_fingerprint(d.name)        # downloaded now
+                      or f"datasets:{getattr(docs, '_fingerprint', '')}")
+    key = token_cache.cache_key(data_print, d.subset_name, split, d.text_column,
+                                d.num_samples, tok_print)
+    return key, tokenizer, docs
 
 
-def _tokenize_to_file(config, split: str, cache_dir: str) -> str:
-    """Rank 0's work: load, tokenize, pack with EOS, write `<cache_dir>/tokens-<key>.npy`."""
-    d, vocab = config.dataset, config.model.vocab_size
-    tokenizer = load_tokenizer(tokenizer_source(config))
-    if tokenizer.vocab_size > vocab:
-        raise TokenizerError(f"tokenizer '{tokenizer.name}' has {tokenizer.vocab_size} tokens "
-                             f"but model.vocab_size={vocab}; use a model vocabulary at least "
-                             f"that large or another tokenizer")
-    docs = load_documents(d, split)
-    key = _cache_key(config, split, docs, tokenizer)
-    path = os.path.join(cache_dir, f"tokens-{key}.npy")
-    if os.path.exists(path):
+def _checked_tokenizer(config, source: str):
+    tokenizer = load_tokenizer(source)
+    _check_vocab(tokenizer.name, tokenizer.vocab_size, config.model.vocab_size)
+    return tokenizer
+
+
+def _check_vocab(name: str, size: int, vocab: int) -> None:
+    if size > vocab:
+        raise TokenizerError(f"tokenizer '{name}' has {size} tokens but model.vocab_size="
+                             f"{vocab}; use a model vocabulary at least that large or another "
+                             f"tokenizer")
+
+
+def _tokenize_to_file(config, split: str, root: str) -> str:
+    """Rank 0's work: the cache entry of this data and tokenizer, tokenized and written to
+    `root` (token_cache.py) unless it is there already."""
+    d = config.dataset
+    key, tokenizer, docs = _fingerprints(config, split)
+    hit = token_cache.lookup(root, key)
+    if hit is not None:
+        path, meta = hit
+        _check_vocab(meta["tokenizer"], meta["vocab_size"], config.model.vocab_size)
+        print(f"token cache hit for {d.name}:{split}: {meta['tokens']} tokens <- {path}",
+              flush=True)
         return path
+    tokenizer = tokenizer or _checked_tokenizer(config, tokenizer_source(config))
+    docs = docs if docs is not None else load_documents(d, split)
     eos, column = tokenizer.eos_token_id, d.text_column
 
     def encode(batch):   # one EOS after every non-empty document
@@ -105,44 +134,39 @@ def _tokenize_to_file(config, split: str, cache_dir: str) -> str:
                          remove_columns=docs.column_names, new_fingerprint=f"picotron-{key}",
                          desc=f"tokenizing {d.name}:{split}")
     total = int(np.sum(tokenized["n"])) if len(tokenized) else 0
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = path + f".tmp{os.getpid()}.npy"
-    out = np.lib.format.open_memmap(tmp, mode="w+", shape=(total,),
-                                    dtype=np.uint16 if vocab <= 2 ** 16 else np.int32)
-    pos = 0
-    for batch in tokenized.iter(batch_size=1024):        # bounded memory, in row order
-        flat = np.fromiter((t for x in batch["ids"] for t in x), dtype=np.int64)
-        out[pos:pos + len(flat)] = flat
-        pos += len(flat)
-    out.flush()
-    del out
-    os.replace(tmp, path)           # atomic: a reader never sees a half-written cache
+    chunks = (np.fromiter((t for x in batch["ids"] for t in x), dtype=np.int64)
+              for batch in tokenized.iter(batch_size=1024))   # bounded memory, in row order
+    dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.int32
+    path = token_cache.write(root, key, chunks, total, dtype, {
+        "source": d.name, "split": split, "documents": len(docs), "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size, "eos_token_id": eos})
     print(f"tokenized {len(docs)} documents of {d.name}:{split} with {tokenizer.name} into "
           f"{total} tokens -> {path}", flush=True)
     return path
 
 
 def dataset_tokens(config, split: str, run_dir=None) -> torch.Tensor:
-    """(N,) token stream of `split`. Collective when a process group exists."""
+    """(N,) token stream of `split`, from the token cache (`dataset.cache_dir`, relative to
+    `run_dir`). Collective when a process group exists: every rank calls it."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if run_dir is None:      # one process, no run directory (tests, notebooks): in memory
-        if distributed:
-            raise DataError("a Hugging Face dataset on several ranks needs a run directory "
-                            "for the shared token cache")
-        import tempfile
-        with tempfile.TemporaryDirectory(prefix="picotron-data-") as tmp:
-            return torch.from_numpy(np.load(_tokenize_to_file(config, split, tmp)))
-    cache_dir = os.path.join(run_dir, "data_cache")
+    root = token_cache.cache_dir(config, run_dir)
     box = [None, None]                                   # [path, error message]
     if not distributed or dist.get_rank() == 0:
         try:
-            box[0] = _tokenize_to_file(config, split, cache_dir)
+            box[0] = _tokenize_to_file(config, split, root)
         except DataError as e:        # told to every rank below, raised everywhere
             box[1] = str(e)
         except Exception as e:
             box[1] = f"preparing the data failed: {_first_line(e)}"
     if distributed:
         dist.broadcast_object_list(box, src=0)
+        if box[1] is None:            # another machine may not see rank 0's cache folder
+            seen = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, os.path.exists(box[0]))
+            if not all(seen):
+                box[1] = (f"the token cache {box[0]} written by rank 0 is not visible on "
+                          f"ranks {[r for r, s in enumerate(seen) if not s]}; set "
+                          f"dataset.cache_dir to a folder every machine shares")
     if box[1] is not None:
         raise DataError(box[1])
     # Copy-on-write map: pages are read on demand, the file is never written.

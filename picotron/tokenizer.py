@@ -124,3 +124,19 @@ def save_byte_tokenizer(out_dir: str) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=symbols[0]).save_pretrained(out_dir)
+
+
+def is_byte_tokenizer(directory) -> bool:
+    """True when `directory` holds the tokenizer save_byte_tokenizer writes (every byte its own
+    token, id = byte value): a model exported by picotron from byte-level training, which
+    then fine-tunes on byte-level data without dataset.tokenizer='byte'."""
+    import json
+    path = os.path.join(str(directory), "tokenizer.json")
+    try:
+        with open(path) as f:
+            model = json.load(f)["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return (model.get("type") == "BPE" and not model.get("merges")
+            and model.get("vocab") == {s: b for b, s in enumerate(byte_symbols())})
+

@@ -188,14 +188,6 @@ def test_byte_level_export_loads_with_its_tokenizer(tmp_path):
         hf_greedy(back, prompt, 16, 0)
 
 
-def test_palm_style_export_is_refused(tmp_path):
-    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", parallel_residual=True,
-                                norm_type="layernorm")
-    with pytest.raises(CheckpointError, match="PaLM-style"):
-        export_hf(ckpt, str(tmp_path / "export"))
-    assert not os.path.exists(tmp_path / "export")
-
-
 class FixedLogits(nn.Module):
     """A stand-in model whose next-token logits are always `logits` (V,)."""
 
