@@ -11,6 +11,8 @@ import os
 import sys
 
 from picotron.config import Config, ConfigError, config_from_dict
+from picotron.overrides import apply_overrides
+from picotron.preflight import local_problems
 from picotron.presets import pretrained_weights, resolve_model
 
 # flag -> (section, key): picotron's spelling on the left, the config's names on the right.
@@ -32,40 +34,84 @@ FLAG_KEYS = {
 }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out_dir", default="tmp", help="parent folder of the run directory")
-    p.add_argument("--exp_name", default="debug", help="run directory name under --out_dir")
+# flag -> what it sets; --help adds the config key and its default.
+FLAG_HELP = {
+    "dp": "data-parallel replicas, each training on its share of every global batch",
+    "tp": "tensor-parallel shards of every weight matrix (must divide the attention and "
+          "key/value heads)",
+    "pp": "pipeline stages of consecutive layers",
+    "cp": "context-parallel shards of every sequence (ring attention)",
+    "pp_engine": "pipeline schedule with --pp > 1",
+    "zero_stage": "0: plain data parallelism; 1: shard AdamW's state over the dp ranks; "
+                  "2: and the gradients",
+    "num_hidden_layers": "decoder layers L",
+    "num_attention_heads": "query heads H",
+    "num_key_value_heads": "key/value heads K (1: multi-query attention)",
+    "grad_acc_steps": "micro-batches accumulated per optimizer step",
+    "mbs": "sequences per micro-batch on each data-parallel rank",
+    "seq_len": "tokens per sequence",
+    "total_train_steps": "optimizer steps to train",
+    "learning_rate": "peak learning rate, reached after the warm-up, then cosine decay",
+    "seed": "seeds the weights, the data order and synthetic tokens",
+    "dataset_name": "'embedded' (this Python's standard library as bytes: no download), "
+                    "'synthetic' (random tokens), a local file, glob or directory (txt, json, "
+                    "jsonl, parquet, arrow, csv) or a Hugging Face dataset id",
+    "subset_name": "the dataset's configuration name, e.g. sample-10BT",
+    "use_cpu": "train on CPU processes over gloo instead of GPUs over NCCL; also writes "
+               "training.dtype=float32",
+    "use_wandb": "also log every step to Weights & Biases (needs `pip install wandb`)",
+    "use_fused_adam": "AdamW as one Triton kernel on GPUs (already on: the flag is "
+                      "picotron's spelling)",
+}
+
+
+def flag_help(flag: str) -> str:
+    section, key = FLAG_KEYS[flag]
+    default = ("the --model_name's" if section == "model"
+               else json.dumps(getattr(getattr(Config(), section), key)))
+    return f"{FLAG_HELP[flag]} [{section}.{key}; default: {default}]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="tmp",
+                   help="parent folder of the run directory (default: tmp)")
+    p.add_argument("--exp_name", default="debug",
+                   help="the run directory's name: the config is written to "
+                        "OUT_DIR/EXP_NAME/config.json, and the run's outputs go next to it "
+                        "(default: debug)")
     for flag in ("dp", "tp", "pp", "cp", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "grad_acc_steps", "mbs", "seq_len", "total_train_steps",
                  "seed", "zero_stage"):
-        p.add_argument(f"--{flag}", type=int)
-    p.add_argument("--learning_rate", type=float)
-    p.add_argument("--pp_engine", choices=("afab", "1f1b", "interleaved"))
+        p.add_argument(f"--{flag}", type=int, help=flag_help(flag))
+    p.add_argument("--learning_rate", type=float, help=flag_help("learning_rate"))
+    p.add_argument("--pp_engine", choices=("afab", "1f1b", "interleaved"),
+                   help=flag_help("pp_engine"))
     p.add_argument("--model_name", default="debug",
-                   help="a preset in configs/presets (or the hub id it mirrors), a local "
-                        "Hugging Face model directory, or a hub id")
-    p.add_argument("--dataset_name", help="'embedded' (default), 'synthetic', or a dataset")
-    p.add_argument("--subset_name")
+                   help="a preset in configs/presets (debug, debug-palm, SmolLM-135M, ...; "
+                        "or the hub id it mirrors, which then needs no network), a local "
+                        "Hugging Face model directory (its weights are loaded when it has "
+                        "them), or a hub id (default: debug)")
+    p.add_argument("--dataset_name", help=flag_help("dataset_name"))
+    p.add_argument("--subset_name", help=flag_help("subset_name"))
     for flag in ("use_cpu", "use_wandb", "use_fused_adam"):
-        p.add_argument(f"--{flag}", action="store_true", default=None)
-    p.add_argument("--hf_token", help="used to read a gated hub config; never written")
+        p.add_argument(f"--{flag}", action="store_true", default=None, help=flag_help(flag))
+    p.add_argument("--hf_token",
+                   help="Hugging Face token to read a gated model's config, e.g. $HF_TOKEN; "
+                        "used here, never written into the config")
+    p.add_argument("--skip_local_checks", action="store_true",
+                   help="write the config without checking that this machine has its dataset "
+                        "and tokenizer (for a config written here to run on another machine)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config key, e.g. --set training.warmup_steps=10")
-    return p.parse_args(argv)
+                   help="set any config key (repeatable; README's config reference lists "
+                        "them), the value read as JSON when it parses, e.g. --set "
+                        "training.warmup_steps=10 --set dataset.tokenizer=gpt2")
+    return p
 
 
-def parse_override(item: str):
-    if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise ConfigError(f"--set {item!r} must look like section.key=value, "
-                          f"e.g. --set training.warmup_steps=10")
-    path, text = item.split("=", 1)
-    section, key = path.split(".", 1)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = text                   # a bare string: --set dataset.name=synthetic
-    return section, key, value
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def build_config_dict(args) -> dict:
@@ -78,12 +124,7 @@ def build_config_dict(args) -> dict:
         value = getattr(args, flag)
         if value is not None:
             raw[section][key] = value
-    for item in args.set:
-        section, key, value = parse_override(item)
-        if section not in raw:
-            raise ConfigError(f"--set {item!r}: unknown section '{section}'; valid sections: "
-                              f"{', '.join(raw)}")
-        raw[section][key] = value      # unknown keys are caught by config_from_dict
+    apply_overrides(raw, args.set)     # unknown keys are caught by config_from_dict
     # A Hugging Face checkpoint as --model_name: start from its weights, unless a flag changed
     # the architecture (then its weights cannot fit: train from scratch, and say so).
     weights = pretrained_weights(args.model_name)
@@ -104,6 +145,11 @@ def main(argv=None) -> str:
         # validates types and layout; "auto" options are written as such and resolved on
         # the machine that trains
         config = config_from_dict(raw, resolve=False)
+        problems = [] if args.skip_local_checks else local_problems(config)
+        if problems:
+            raise ConfigError("this machine cannot find what the run will read (a config "
+                              "for another machine: --skip_local_checks):\n  - "
+                              + "\n  - ".join(problems))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -4,7 +4,8 @@
 
 The directory then loads with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`. `--checkpoint` may also be a checkpoints folder (its latest
-complete checkpoint is used). PaLM-style models are refused: no Llama computes them.
+complete checkpoint is used). A Llama-style model exports as LlamaForCausalLM, a PaLM-style
+one (parallel_residual with layernorm) as CohereForCausalLM (picotron/hf_cohere.py).
 """
 import argparse
 import sys
@@ -14,12 +15,23 @@ from picotron.data import DataError
 from picotron.hf_io import export_hf
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="a step_* checkpoint directory, or a run's checkpoints folder (its "
+                        "latest complete checkpoint), e.g. tmp/debug/checkpoints")
+    p.add_argument("--out", required=True,
+                   help="the Hugging Face model directory to write (config.json, "
+                        "model.safetensors, the tokenizer's files), e.g. tmp/debug/hf")
+    p.add_argument("--tokenizer",
+                   help="a tokenizer (hub id or directory) to ship instead of the run's own "
+                        "(default: the run's: byte-level, or the one it trained with)")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a step_* directory or a checkpoints dir")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", help="tokenizer id or path to ship instead of the run's")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         path = resolve_checkpoint("latest", args.checkpoint, ".") or args.checkpoint
         print(export_hf(path, args.out, args.tokenizer))

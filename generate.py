@@ -1,6 +1,6 @@
 """Sample text from a checkpoint.
 
-    python generate.py --checkpoint tmp/NAME/checkpoints --prompt "def main(" \
+    python generate.py --checkpoint tmp/NAME/checkpoints --prompt "def main(" \\
         --max_new_tokens 200 --temperature 0.8 --top_k 50 --seed 0
 
 `--checkpoint` is a step_* directory or a checkpoints folder (its latest checkpoint). The
@@ -16,18 +16,37 @@ from picotron.checkpoint import CheckpointError, resolve_checkpoint
 from picotron.data import DataError
 from picotron.generate import load_for_inference, sample
 from picotron.tokenizer import load_tokenizer, tokenizer_source
+from picotron.utils import set_cpu_threads
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="a step_* checkpoint directory, or a run's checkpoints folder (its "
+                        "latest complete checkpoint), e.g. tmp/debug/checkpoints")
+    p.add_argument("--prompt", default="",
+                   help="text to continue (default: empty, which starts a new document)")
+    p.add_argument("--max_new_tokens", type=int, default=100,
+                   help="tokens to sample after the prompt; stops early at end of document "
+                        "(default: 100)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="divides the logits before sampling: below 1 is more conservative, "
+                        "0 always takes the likeliest token (greedy) (default: 1.0)")
+    p.add_argument("--top_k", type=int, default=0,
+                   help="sample among the k likeliest tokens only; 0: all (default: 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling; the same seed gives the same text (default: 0)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda when a "
+                        "GPU is visible, else cpu)")
+    return p
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--prompt", default="")
-    p.add_argument("--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    p.add_argument("--top_k", type=int, default=0, help="keep the k likeliest tokens; 0: all")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.device == "cpu":
+        set_cpu_threads(1)           # one process: every core this machine lets it use
     try:
         path = resolve_checkpoint("latest", args.checkpoint, ".") or args.checkpoint
         model, config = load_for_inference(path, args.device)

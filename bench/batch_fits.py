@@ -70,12 +70,17 @@ def child(args):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--one", required=True, help="the row to search")
-    p.add_argument("--shapes", required=True, help="one shape")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--limit", type=int, default=256, help="largest micro-batch tried")
-    p.add_argument("--modes", default="own,full")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--one", required=True, help="the row to search: a label of "
+                   "bench_speed.py's rows, e.g. 'ours triton' or 'hf+liger'")
+    p.add_argument("--shapes", required=True, help="one model preset, e.g. SmolLM-360M")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    p.add_argument("--limit", type=int, default=256,
+                   help="largest micro-batch tried (default: 256)")
+    p.add_argument("--modes", default="own,full", help="activation checkpointing modes to "
+                   "search, comma-separated: own (the row's), none, selective, full "
+                   "(default: own,full)")
     child(p.parse_args())
 
 

@@ -106,12 +106,12 @@ def base_config(shape, mbs, seq):
 
 
 def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn,
-                graphs=False, read_now=False, chunk=0):
+                graphs=False, read_now=False, chunk=0, fp8="none"):
     raw = base_config(shape, mbs, seq)
     raw["model"].update(kernels=kernels, attn_implementation=attn)
     raw["training"].update(master_weights=master, fused_loss=fused_loss, compile=compile_,
                            activation_checkpointing=ckpt, cuda_graphs=graphs,
-                           loss_chunk_tokens=chunk)
+                           loss_chunk_tokens=chunk, fp8=fp8)
     config = config_from_dict(raw, world_size=1)
     pgm, device = ProcessGroupManager(), torch.device("cuda")
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
@@ -231,19 +231,22 @@ def child(args):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
-    p.add_argument("--mbs", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B", help="presets (%(default)s)")
+    p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per row (default: 6)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of all rows, alternating; "
-                   "the ratio is the median of the rounds' ratios")
-    p.add_argument("--rows", default="", help="comma-separated labels to time (default all)")
+                   "the ratio is the median of the rounds' ratios (default: 1)")
+    p.add_argument("--rows", default="", help="comma-separated labels to time (default: all: "
+                   f"{', '.join(OURS)}, hf, hf+liger, and floor when asked)")
     p.add_argument("--largest_batch", default="", help="comma-separated labels: also search "
                    "their largest micro-batch, with and without checkpointing")
-    p.add_argument("--deadline_s", type=float, default=1e9, help="start nothing after this")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--deadline_s", type=float, default=1e9, help="start no row after N s")
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder of bench_speed.txt (default: $OUT, else the current folder)")
     p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
     args = p.parse_args()
     if args.one:

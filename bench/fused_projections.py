@@ -75,10 +75,12 @@ def peak_mb(fn):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="360M,1.7B")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="360M,1.7B", help="comma-separated, among "
+                    f"{', '.join(SHAPES)} (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=16, help="micro-batch size (default: 16)")
+    ap.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     args = ap.parse_args()
     N = args.batch * args.seq
     for name in args.shapes.split(","):

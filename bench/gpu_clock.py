@@ -4,10 +4,17 @@ the background.
 Why: an H200 at its 700 W limit lowers its clock, and every kernel slows with it, so GEMMs
 run longer inside a training step than alone (measured: see bench/NOTES.md). A row's clock
 says whether two rows ran under the same conditions.
+
+    python bench/gpu_clock.py [--seconds 5] [--interval_ms 250]
+
+samples the first visible GPU for a while and prints the medians (e.g. before a benchmark,
+to see the clock an idle or busy GPU runs at); bench_speed.py samples each row this way.
 """
+import argparse
 import os
 import statistics
 import subprocess
+import time
 
 
 class ClockSampler:
@@ -43,3 +50,24 @@ class ClockSampler:
             return ""
         mhz, watts = (statistics.median(column) for column in zip(*samples))
         return f"SM {mhz:.0f} MHz {watts:.0f} W"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=5.0,
+                   help="how long to sample (default: 5)")
+    p.add_argument("--interval_ms", type=int, default=250,
+                   help="milliseconds between two samples (default: 250)")
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
+    sampler = ClockSampler(args.interval_ms).start()
+    time.sleep(args.seconds)
+    print(sampler.stop() or "no reading: nvidia-smi is missing or reported nothing usable")
+
+
+if __name__ == "__main__":
+    main()

@@ -43,8 +43,9 @@ def run(out_dir, name, flags):
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-4000:])
         return None
-    with open(os.path.join(out_dir, name, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    with open(os.path.join(out_dir, name, "metrics.jsonl")) as f:   # null: not finite
+        return [{**r, "loss": float("nan") if r["loss"] is None else r["loss"]}
+                for r in map(json.loads, f) if "loss" in r]
 
 
 def unigram_entropy():
@@ -54,10 +55,14 @@ def unigram_entropy():
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", tempfile.mkdtemp()))
-    parser.add_argument("--skip_throughput", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder of the runs' "
+                        "configs and metrics (default: $OUT, else a new temporary folder)")
+    parser.add_argument("--skip_throughput", action="store_true",
+                        help="run parts 1 and 2 only (learning, logits), not the throughput")
     args = parser.parse_args()
+    args.out = args.out or tempfile.mkdtemp()
     work = tempfile.mkdtemp()
     print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
     summary = []

@@ -58,15 +58,20 @@ def report(shapes, rows, seq, limit, emit, modes="own,full"):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
-    p.add_argument("--rows", default="ours triton,hf+liger")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--limit", type=int, default=256, help="largest micro-batch tried")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B",
+                   help="model presets, comma-separated (default: %(default)s)")
+    p.add_argument("--rows", default="ours triton,hf+liger", help="bench_speed.py's row "
+                   "labels, comma-separated (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    p.add_argument("--limit", type=int, default=256,
+                   help="largest micro-batch tried (default: 256)")
     p.add_argument("--modes", default="own,full", help="activation checkpointing modes to "
                    "search: 'own' (the row's: selective for a '... selective' row, else "
-                   "none), 'none', 'selective', 'full'")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+                   "none), 'none', 'selective', 'full' (default: own,full)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder of largest_batch.txt (default: $OUT, else the current folder)")
     args = p.parse_args()
     lines = [f"torch {torch.__version__}"]
 

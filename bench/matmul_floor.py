@@ -20,11 +20,21 @@ model.kernels=triton has them (fused q/k/v and gate/up projections, tied embeddi
 One set of weights and activations serves every layer (each operand is larger than the
 50 MB L2, so each GEMM streams from memory as in the model). No optimizer, no norms, no
 elementwise work: those are what the floor leaves out.
+
+    python bench/matmul_floor.py [--shape SmolLM-1.7B] [--mbs 16] [--seq 2048] [--steps 5]
+
+times the floor alone (bench_speed.py's "floor" row times it beside the other rows).
 """
+import argparse
+import os
+import sys
+import time
+
 import torch
 import torch.nn.functional as F
 
-from picotron.speed.triton_loss import _accumulate as accumulate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from picotron.speed.triton_loss import _accumulate as accumulate  # noqa: E402
 
 
 def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
@@ -81,3 +91,35 @@ def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
             dqkv.t() @ x                                             # d W_qkv
         return float(dy[0, 0])                                       # waits for the device
     return step, None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="SmolLM-1.7B",
+                   help="a model preset (configs/presets) (default: %(default)s)")
+    p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="steps timed after one warm-up step (default: 5)")
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: the floor times cuBLAS and cuDNN kernels: run it on a CUDA GPU")
+    from picotron.config import ModelConfig
+    from picotron.presets import resolve_model
+    step, _ = floor_runner(ModelConfig(**resolve_model(args.shape)), args.mbs, args.seq)
+    step(0)                                   # warm-up: cuBLAS heuristics, Triton compile
+    start = time.perf_counter()
+    for i in range(args.steps):
+        step(i + 1)                           # returns once the device is done
+    seconds = (time.perf_counter() - start) / args.steps
+    print(f"floor {args.shape} mbs {args.mbs} seq {args.seq}: {seconds * 1e3:.1f} ms/step, "
+          f"{args.mbs * args.seq / seconds:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

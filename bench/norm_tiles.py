@@ -84,10 +84,14 @@ def report(emit, title, rows, nbytes, rate, now):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--widths", default="960,2048")
-    p.add_argument("--rows", type=int, default=32768)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", default="960,2048", help="hidden sizes C to sweep, "
+                   "comma-separated (default: 960,2048: SmolLM-360M and 1.7B)")
+    p.add_argument("--rows", type=int, default=32768,
+                   help="rows (tokens) per call (default: 32768 = 16 x 2048)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder of the result tables (default: $OUT, else the current folder)")
     args = p.parse_args()
     lines = []
 

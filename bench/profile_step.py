@@ -196,14 +196,20 @@ def attention_backends(emit, shape, mbs, seq):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B")
-    p.add_argument("--rows", default="ours liger,hf+liger")
-    p.add_argument("--mbs", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--gemm", action="store_true")
-    p.add_argument("--attn_backends", action="store_true")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B",
+                   help="model presets, comma-separated (default: %(default)s)")
+    p.add_argument("--rows", default="ours liger,hf+liger", help="bench_speed.py's row "
+                   "labels, comma-separated (default: %(default)s)")
+    p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    p.add_argument("--gemm", action="store_true",
+                   help="add the matmul microbench: separate against fused projections")
+    p.add_argument("--attn_backends", action="store_true",
+                   help="add one layer's attention timed under each SDPA backend")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the "
+                   "profile_*.txt tables (default: $OUT, else the current folder)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:

@@ -59,13 +59,20 @@ def peak_flops(device) -> float:
 
 class MetricsLog:
     """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank),
-    and to Weights & Biases when `logging.use_wandb` is set.
+    to Weights & Biases when `logging.use_wandb` is set, and to TensorBoard event files in
+    <run_dir>/tensorboard/ when `logging.tensorboard` is set (every number but the step, as
+    a scalar of the same name: loss, lr, grad_norm, tokens_per_s, mfu, val_loss, ...).
+
+    Every line is strict JSON: a value that is not a finite number (a NaN loss, the infinite
+    gradient norm of a skipped step) is written as null, which every JSON reader accepts,
+    where Python's default `NaN` / `Infinity` are refused by most. The record's `skipped`
+    says why; TensorBoard and W&B get the float itself.
 
     A resumed run keeps the records up to its first step (keep_until_step) and drops the
-    later ones, which the run is about to write again."""
+    later ones, which the run is about to write again (TensorBoard hides them likewise)."""
 
     def __init__(self, path: str, enabled: bool, config=None, keep_until_step: int = 0):
-        self.path, self.enabled, self.wandb = path, enabled, None
+        self.path, self.enabled, self.wandb, self.tensorboard = path, enabled, None, None
         if enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             kept = []
@@ -83,24 +90,68 @@ class MetricsLog:
                                      "or set it to false", e) from None
             self.wandb = wandb.init(project=config.logging.project_name,
                                     name=config.logging.run_name, config=config.to_dict())
+        if enabled and config is not None and config.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise MissingPackage("logging.tensorboard=true", "tensorboard (`pip install "
+                                     "tensorboard`)", "or set it to false", e) from None
+            # purge_step: events of the steps a resumed run writes again are hidden
+            self.tensorboard = SummaryWriter(
+                os.path.join(os.path.dirname(path) or ".", "tensorboard"),
+                purge_step=keep_until_step + 1 if keep_until_step else None)
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
+        if self.tensorboard is not None:
+            for name, value in record.items():
+                if name != "step" and type(value) in (int, float):   # not bools, not None
+                    self.tensorboard.add_scalar(name, value, record["step"])
+            self.tensorboard.flush()        # on disk at every step, as metrics.jsonl is
+
+
+def finite_or_null(value):
+    """`value` with every float that is not finite (NaN, +-inf) replaced by None, at any
+    depth: what strict JSON can hold (it has no NaN or Infinity; None is written null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def format_step(r: dict) -> str:
-    """The one readable line per step."""
+    """The one readable line per step: where the run is, how it learns, how fast, and (with
+    the progress fields of picotron/step_log.py) how long it has run and has left."""
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    return (f"step {r['step']:>5} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-            f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
+    where = f"step {r['step']:>5}" + (f"/{r['total_steps']}" if "total_steps" in r else "")
+    when = ""
+    if "elapsed_s" in r:
+        left = "" if r.get("eta_s") is None else f", {duration(r['eta_s'])} left"
+        when = f" | {duration(r['elapsed_s'])}{left}"
+    return (f"{where} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"grad norm {r['grad_norm']:.3f} | {r['tokens']:,} tokens | "
+            f"{r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
-            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms"
+            f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms{when}"
             + (f" | loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
             + (" | non-finite gradient: step skipped" if r.get("skipped") else ""))
+
+
+def duration(seconds: float) -> str:
+    """12.3 -> '12s', 754 -> '12m34s', 7384 -> '2h03m'."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class StepValues:
@@ -129,3 +180,27 @@ class StepValues:
         if self.ready is not None:
             self.ready.synchronize()
         return {**self.known, **dict(zip(self.names, self.host.tolist()))}
+
+
+def cpu_share() -> int:
+    """The CPU cores this process may use: its affinity mask, capped by the cgroup's CPU
+    quota (a container limited to 2 cores of a 64-core host sees 64 in os.cpu_count())."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:              # "max 100000" or "200000 100000"
+            quota, period = f.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores or 1)
+
+
+def set_cpu_threads(local_processes: int) -> int:
+    """One intra-op thread per core share: cores // processes on this machine. torch's
+    default counts the host's cores, so N processes on a small machine (or one process in a
+    container with a CPU quota) run N x cores threads that wait on each other, 2-3x slower a
+    step. Returns the thread count chosen."""
+    threads = max(1, cpu_share() // max(1, local_processes))
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,164 @@
+"""FP8 training (training.fp8) on one GPU, measured against bf16 in the same call.
+
+    python bench/bench_fp8.py gemms [--shapes SmolLM-360M,SmolLM-1.7B] [--mbs 16] [--seq 2048]
+    python bench/bench_fp8.py steps [--shapes SmolLM-360M,SmolLM-1.7B] [--rows LABELS]
+
+gemms: one decoder layer's projections (fused q/k/v, o, fused gate/up, down) at micro-batch x
+seq tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs:
+- bf16: fused_linear / F.linear, the path model.kernels=triton runs;
+- fp8 tensorwise / rowwise: picotron.speed.fp8.fp8_linear as training runs it (compiled casts);
+- the same with the casts as written, eager op by op (what compiling them buys);
+- fp8 GEMMs alone: operands quantized once outside the timing (the ceiling, no cast at all).
+steps: train.py's build_training and train_step (bench_speed.py's runner and timing: seq 2048,
+micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its own process:
+  "ours defaults"                  bf16, the GPU defaults (kernels triton, our loss, selective)
+  "ours fp8 tensorwise"            the defaults with training.fp8=tensorwise
+  "ours fp8 rowwise"               the defaults with training.fp8=rowwise
+  "ours compile"                   bf16, kernels torch + training.compile, our loss
+  "ours fp8 tensorwise compile"    the same with training.fp8=tensorwise
+  "ours fp8 rowwise compile"       the same with training.fp8=rowwise
+  "hf+liger"                       transformers + liger-kernel, bf16: the ratios' reference
+A label ending in " fp32-master" keeps fp32 master weights and AdamW moments.
+
+Not yet measured.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_speed  # noqa: E402  (puts the repository on sys.path)
+import train  # noqa: E402
+from fused_projections import bench, fwd_bwd  # noqa: E402
+from picotron.config import config_from_dict  # noqa: E402
+from picotron.speed import fp8  # noqa: E402
+from picotron.speed.fused_linear import fused_linear  # noqa: E402
+from picotron.utils import flops_per_token  # noqa: E402
+
+# label: (kernels, fused_loss, compile, activation checkpointing, training.fp8)
+ROWS = {"ours defaults": ("auto", "auto", False, "auto", "none"),
+        "ours fp8 tensorwise": ("auto", "auto", False, "auto", "tensorwise"),
+        "ours fp8 rowwise": ("auto", "auto", False, "auto", "rowwise"),
+        "ours compile": ("torch", "triton", True, "none", "none"),
+        "ours fp8 tensorwise compile": ("torch", "triton", True, "none", "tensorwise"),
+        "ours fp8 rowwise compile": ("torch", "triton", True, "none", "rowwise")}
+
+
+def layer_gemms(model_cfg, tokens):
+    """[(name, x (N, C_in) bf16, [weights])]: one layer's projections as they run fused."""
+    C, I = model_cfg.hidden_size, model_cfg.intermediate_size
+    kv = model_cfg.num_key_value_heads * C // model_cfg.num_attention_heads
+
+    def w(o, i):
+        return (torch.randn(o, i, device="cuda") * i ** -0.5).bfloat16().requires_grad_()
+    x_c = torch.randn(tokens, C, device="cuda").bfloat16().requires_grad_()
+    x_i = torch.randn(tokens, I, device="cuda").bfloat16().requires_grad_()
+    return [("q/k/v", x_c, [w(C, C), w(kv, C), w(kv, C)]), ("o", x_c, [w(C, C)]),
+            ("gate/up", x_c, [w(I, C), w(I, C)]), ("down", x_i, [w(C, I)])]
+
+
+def gemms_alone(x, weights, recipe):
+    """The three FP8 GEMMs of fp8_linear on operands quantized once, beforehand."""
+    rowwise, grad = recipe == "rowwise", fp8.E4M3 if recipe == "rowwise" else fp8.E5M2
+    w = torch.cat(weights).detach()
+    dy = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
+    a = [fp8.quantize(t, f, rowwise) for t, f in ((x.detach(), fp8.E4M3), (w, fp8.E4M3),
+                                                  (dy, grad), (w.t(), fp8.E4M3),
+                                                  (dy.t(), grad),
+                                                  (x.detach().t(), fp8.E4M3))]
+
+    def run():
+        for (p, ps), (q, qs) in ((a[0], a[1]), (a[2], a[3]), (a[4], a[5])):
+            fp8.scaled_mm(p, ps, q, qs, torch.bfloat16)
+    return run
+
+
+def gemms(args):
+    for shape in args.shapes.split(","):
+        cfg = config_from_dict(bench_speed.base_config(shape, args.mbs, args.seq)).model
+        print(f"== {shape}: {args.mbs * args.seq} tokens, ms per layer, fwd + bwd")
+        totals = {}
+        for name, x, ws in layer_gemms(cfg, args.mbs * args.seq):
+            times = {"bf16": bench(fwd_bwd(lambda: fused_linear(x, ws), [x, *ws]))}
+            for recipe in fp8.RECIPES:
+                times[recipe] = bench(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe), [x, *ws]))
+                times[f"{recipe} gemms alone"] = bench(gemms_alone(x, ws, recipe))
+            for recipe in fp8.RECIPES:          # the casts as written, op by op
+                saved = fp8._amax_fast, fp8._cast_fast, fp8._quantize_fast
+                fp8._amax_fast, fp8._cast_fast, fp8._quantize_fast = (
+                    fp8._amax, fp8._cast, fp8._quantize_local)
+                times[f"{recipe} eager casts"] = bench(
+                    fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe), [x, *ws]))
+                fp8._amax_fast, fp8._cast_fast, fp8._quantize_fast = saved
+            print(f"  {name:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in times.items()))
+            for k, v in times.items():
+                totals[k] = totals.get(k, 0.0) + v
+        print(f"  {'layer':8s} " + "  ".join(f"{k} {v:.3f} ({totals['bf16'] / v:.2f}x)"
+                                             for k, v in totals.items()))
+
+
+def child(args):
+    """One row of `steps`, in this process: prints RESULT [tokens/s, peak GB, loss, clock]."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    train.materialize = bench_speed.cached_materialize
+    label, shape, master = args.one, args.shapes, args.one.endswith(" fp32-master")
+    base = label.removesuffix(" fp32-master")
+    if base == "hf+liger":
+        make = lambda: bench_speed.hf_runner(shape, args.mbs, args.seq, True, False)  # noqa
+    else:
+        kernels, loss, compile_, ckpt, recipe = ROWS[base]
+        make = lambda: bench_speed.ours_runner(shape, args.mbs, args.seq, master,  # noqa
+                                               kernels, loss, compile_, ckpt, "sdpa",
+                                               fp8=recipe)
+    print("RESULT " + json.dumps(bench_speed.measure(make, 3, 6, args.mbs, args.seq)))
+
+
+def steps(args):
+    labels = [x for x in args.rows.split(",") if x] or list(ROWS) + ["hf+liger"]
+    for shape in args.shapes.split(","):
+        cfg = config_from_dict(bench_speed.base_config(shape, args.mbs, args.seq)).model
+        print(f"== {shape}, seq {args.seq}, micro-batch {args.mbs}", flush=True)
+        results = {}
+        for label in labels:
+            cmd = [sys.executable, os.path.abspath(__file__), "steps", "--one", label,
+                   "--shapes", shape, "--mbs", str(args.mbs), "--seq", str(args.seq)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            r = json.loads(found[-1][7:]) if found else f"CRASH: {proc.stderr[-300:]}"
+            if isinstance(r, str):
+                print(f"  {label:34s} {r}", flush=True)
+                continue
+            results[label] = r
+            mfu = 100 * r[0] * flops_per_token(cfg, args.seq) / bench_speed.PEAK
+            print(f"  {label:34s} {r[0]:>9,.0f} tok/s  MFU(bf16 peak) {mfu:5.1f}%  peak "
+                  f"{r[1]:6.1f} GB  loss {r[2]:.3f}  {r[3]}", flush=True)
+        ref = results.get("hf+liger")
+        for label, r in results.items():
+            if ref:
+                print(f"  {label:34s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
+                      f"{r[1] / ref[1]:.2f}x its peak memory")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=("gemms", "steps"),
+                   help="gemms: one layer's projections; steps: training steps")
+    p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B", help="presets (%(default)s)")
+    p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    p.add_argument("--rows", default="", help="steps: comma-separated labels (default: all)")
+    p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
+    args = p.parse_args()
+    if args.one:
+        return child(args)
+    return gemms(args) if args.part == "gemms" else steps(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Does FP8 train like bf16? The same run, same seed and data, in bf16 and in each FP8 recipe.
+
+    python bench/fp8_convergence.py [--model_name SmolLM-135M] [--steps 300] [--out DIR]
+
+Trains `--model_name` (default SmolLM-135M) on the embedded corpus (the text of Python's
+standard library, byte-level: no download), seq 2048, micro-batch 16, bf16 with fp32 master
+weights, the GPU defaults (model.kernels triton, selective recomputation), once with
+training.fp8=none and once per recipe, each through torchrun train.py on one GPU. Prints each
+run's final loss (the mean of its last 10 steps), its gap to bf16 (the bar: within 1%) and
+its median tokens/s, and draws the curves side by side with plot.py into DIR/fp8_convergence.png
+(needs matplotlib). Every run stays under DIR/runs.
+
+Not yet measured.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import create_config  # noqa: E402
+
+RECIPES = ("none", "tensorwise", "rowwise")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args, recipe: str):
+    """One run's step records, or a string saying why there are none."""
+    path = create_config.main([
+        "--out_dir", os.path.join(args.out, "runs"), "--exp_name", f"fp8-{recipe}",
+        "--model_name", args.model_name, "--dataset_name", "embedded", "--mbs", str(args.mbs),
+        "--seq_len", str(args.seq), "--total_train_steps", str(args.steps),
+        "--learning_rate", str(args.learning_rate), "--set", "dataset.tokenizer=byte",
+        "--set", "training.dtype=bfloat16", "--set", "training.master_weights=true",
+        "--set", f"training.fp8={recipe}", "--set", "checkpoint.save_final=false"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+           "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--config", path]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"FAILED rc={proc.returncode}: {proc.stderr.strip()[-600:]}"
+    with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name", default="SmolLM-135M", help="preset (%(default)s)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (%(default)s)")
+    p.add_argument("--mbs", type=int, default=16, help="micro-batch size (%(default)s)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (%(default)s)")
+    p.add_argument("--learning_rate", type=float, default=1e-3, help="peak (%(default)s)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder of the runs and the PNG (default: $OUT, else here)")
+    args = p.parse_args()
+    runs, finals = {}, {}
+    for recipe in RECIPES:
+        steps = train(args, recipe)
+        if isinstance(steps, str):
+            print(f"fp8={recipe:10s} {steps}", flush=True)
+            continue
+        runs[recipe] = steps
+        finals[recipe] = statistics.mean(r["loss"] for r in steps[-10:])
+        gap = (f"  {finals[recipe] / finals['none'] - 1:+.2%} from bf16" if "none" in finals
+               and recipe != "none" else "")
+        tps = statistics.median(r["tokens_per_s"] for r in steps[5:] or steps)
+        print(f"fp8={recipe:10s} {len(steps)} steps, final loss {finals[recipe]:.4f}{gap}, "
+              f"{tps:,.0f} tok/s", flush=True)
+    if runs:
+        import plot
+        png = os.path.join(args.out, "fp8_convergence.png")
+        try:
+            plot.plot([os.path.join(args.out, "runs", f"fp8-{r}") for r in runs], png)
+            print(f"curves: {png}")
+        except plot.PlotError as e:
+            print(f"no plot: {e}")
+
+
+if __name__ == "__main__":
+    main()

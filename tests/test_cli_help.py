@@ -1,0 +1,54 @@
+"""Every command a user can run answers `--help`: exit code 0, on a machine without a GPU,
+writing nothing, and every option says what it does (a help text that is not empty).
+
+The scripts run one after another in one process (tests/workers/show_help.py: each as
+`python SCRIPT --help` would run it, its own folder first on sys.path), started from an empty
+folder with an empty temporary folder, both of which must stay empty."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT
+
+ENTRY_POINTS = ["train.py", "create_config.py", "generate.py", "export_hf.py", "plot.py"]
+WORKER = os.path.join(ROOT, "tests", "workers", "show_help.py")
+
+
+def scripts() -> list:
+    """The entry points and every bench script (each has a command line)."""
+    bench = sorted(f"bench/{f}" for f in os.listdir(os.path.join(ROOT, "bench"))
+                   if f.endswith(".py"))
+    return ENTRY_POINTS + bench
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict:
+    """script -> what its `--help` did; every script also checked to leave no file behind."""
+    cwd, tmp = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("tmp")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
+    env.update(CUDA_VISIBLE_DEVICES="", TMPDIR=str(tmp))
+    proc = subprocess.run([sys.executable, WORKER] + [os.path.join(ROOT, s) for s in scripts()],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line[len("HELP "):]) for line in proc.stdout.splitlines()
+               if line.startswith("HELP ")]
+    assert len(results) == len(scripts()), proc.stdout[-3000:]
+    # torch's compiler makes its cache folder in the temporary folder when it is imported
+    # (torchinductor_<user>): torch's own, not written by a script
+    left = sorted(os.listdir(cwd)) + sorted(f for f in os.listdir(tmp)
+                                            if not f.startswith("torchinductor_"))
+    assert not left, f"`--help` of some script wrote {left}"
+    return {os.path.relpath(r["script"], ROOT): r for r in results}
+
+
+@pytest.mark.parametrize("script", scripts())
+def test_help_runs_and_documents_every_option(helps, script):
+    r = helps[script]
+    assert r["code"] == 0, f"`python {script} --help` failed ({r['code']}):\n{r['stderr'][-3000:]}"
+    assert r["stdout"].startswith("usage:") and "Traceback" not in r["stderr"], (
+        r["stdout"][-2000:], r["stderr"][-2000:])
+    undocumented = [o["option"] for o in r["options"] if not (o["help"] or "").strip()]
+    assert not undocumented, f"{script}: options without a help text: {undocumented}"
