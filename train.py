@@ -9,38 +9,45 @@ import contextlib
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from picotron.attention import resolve_attention
-from picotron.checkpoint import CheckpointError, resume, save_checkpoint, save_root
+from picotron.checkpoint import CheckpointError, CheckpointSaver, resume, save_root
 from picotron.config import ConfigError, MissingPackage, load_config
+from picotron.config_ranges import check_output_dirs
 from picotron.context_parallel import apply_context_parallel
 from picotron.data import DataError, StepBatches, build_train_val, data_state
-from picotron.data_parallel import GradBuckets
+from picotron.data_parallel import GradBuckets, ShardedParams
+from picotron.errors import RunStopped
 from picotron.hf_io import load_hf_weights
 from picotron.loss import build_loss
+from picotron.memory_plan import check_memory
 from picotron.model import Decoder, materialize
-from picotron.pipeline_parallel import (apply_pipeline_parallel, describe_split,
-                                        pipeline_train_step)
+from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager
+from picotron.run_report import describe_run, exit_with_error, record_launch, summary
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
-from picotron.utils import MetricsLog, StepValues, count_params, flops_per_token, lr_at, set_seed
-from picotron.validation import validation_loss
+from picotron.utils import MetricsLog, StepValues, lr_at, set_cpu_threads, set_seed
+from picotron.validation import validation_line, validation_loss, validation_record
+from picotron.watchdog import Watchdog
 
 
-def setup(config_path):
-    """Process group, validated config, device and grid. torchrun's variables are read once."""
+def setup(config_path, overrides=()):
+    """Process group, validated config (the file, then the `--set` overrides), device and
+    grid. torchrun's variables are read once."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    config = load_config(config_path, world_size=world_size)
+    config = load_config(config_path, world_size=world_size, overrides=overrides)
     if config.distributed.use_cpu:
         device = torch.device("cpu")
         backend = "gloo"
+        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # cores / processes here
     else:
         if not torch.cuda.is_available():
             raise ConfigError("distributed.use_cpu is false but no CUDA GPU is visible; "
@@ -48,6 +55,7 @@ def setup(config_path):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+    check_memory(config, device)    # the estimate must fit before anything is allocated
     # A rank blocked longer than timeout_s (e.g. receiving from a stage that died) fails.
     timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
     # An existing group is kept: a caller may run several trainings in one process
@@ -75,6 +83,8 @@ def build_model(config, pgm, device):
     model = apply_tensor_parallel(model, pgm, config)
     model = apply_pipeline_parallel(model, pgm, config)
     model = apply_context_parallel(model, pgm, config)
+    if config.distributed.zero_stage == 3:   # ShardedParams draws (and loads) shards later
+        return model
     model = materialize(model, config.training.seed, device, dtype,
                         config.model.initializer_range)
     if config.checkpoint.init_from:   # pretrained weights replace the random draw, never after
@@ -88,8 +98,14 @@ def build_training(config, pgm, device):
     buckets; CUDA graphs are captured after, where the parameters then live."""
     model = build_model(config, pgm, device)           # the textbook model, axes applied
     loss_fn = build_loss(pgm)                          # vocab-parallel when tp shards logits
-    model, loss_fn = apply_speed(model, loss_fn, config)   # kernels, recompute, fused loss
-    grads = GradBuckets(model, pgm, config)            # parameters now live in flat buckets
+    model, loss_fn = apply_speed(model, loss_fn, config, pgm.tp_group)   # kernels, fp8, ...
+    if config.distributed.zero_stage == 3:    # parameters drawn as shards, gathered per layer
+        grads = ShardedParams(model, pgm, config, device)
+        if config.checkpoint.init_from:      # whole while the weights load, then shards again
+            with grads.full_parameters(write_back=True):
+                load_hf_weights(model, config.checkpoint.init_from)
+    else:
+        grads = GradBuckets(model, pgm, config)        # parameters now live in flat buckets
     if config.training.cuda_graphs:    # written in place from now on, so the graphs stay valid
         capture_layers(model, config, device)
     optimizer = build_optimizer(grads, pgm, config, device)
@@ -137,17 +153,33 @@ def queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm, dev
                        "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
 
 
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Train a picotron model: `torchrun --nproc_per_node N train.py --config "
+                    "tmp/NAME/config.json` (N = the config's dp*tp*pp*cp), or `python "
+                    "train.py --config ...` for one process.")
+    parser.add_argument("--config", required=True,
+                        help="the run's config.json, written by create_config.py; the run's "
+                             "outputs go to its folder unless logging.run_dir says otherwise")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a key of the config file for this launch (repeatable; "
+                             "validated like the file, recorded in RUN_DIR/launches.jsonl), "
+                             "e.g. --set checkpoint.load_path=latest")
+    return parser.parse_args(argv)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Train a picotron model.")
-    parser.add_argument("--config", required=True, help="path to a config.json")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
 
     # ---- set-up -------------------------------------------------------------------------
     owns_group = not dist.is_initialized()
-    config, pgm, device = setup(args.config)
+    config, pgm, device = setup(args.config, args.set)
     t = config.training
     set_seed(t.seed)
     run_dir = config.logging.run_dir or os.path.dirname(os.path.abspath(args.config))
+    check_output_dirs(config, run_dir)     # a folder that cannot be written: refused now
+    watchdog = Watchdog(config)            # a dead or frozen rank, a dead launcher, SIGTERM
+    watchdog.start()
     is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0
                  and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
     if is_logger:
@@ -158,9 +190,22 @@ def main(argv=None):
     data, val_data = build_train_val(config, run_dir)
     batches = StepBatches(data, config, pgm, device)   # this rank's micro-batches of a step
     # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
-    start_step, tokens_seen = resume(config, run_dir, model, optimizer, pgm, data)
+    # A change of seed, data or batch is refused unless allowed, and then carried along.
+    # ZeRO-3 holds the parameters whole while a checkpoint loads into them, then its shards
+    with (grads.full_parameters(write_back=True) if config.checkpoint.load_path
+          else contextlib.nullcontext()):
+        start_step, tokens_seen, accepted_changes = resume(config, run_dir, model, optimizer,
+                                                           pgm, data)
+    if is_logger:
+        record_launch(run_dir, sys.argv, args.set, start_step)
     if is_logger and start_step:
         print(f"resumed at step {start_step} from {config.checkpoint.load_path}", flush=True)
+    if start_step >= t.total_train_steps:
+        if is_logger:
+            print(f"nothing to train: the checkpoint is at step {start_step} and "
+                  f"training.total_train_steps={t.total_train_steps}; to train on, raise it "
+                  f"(e.g. --set training.total_train_steps={start_step + t.total_train_steps})",
+                  flush=True)
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config,
                          keep_until_step=start_step)
     # Each step's loss and grad norm are read once the next step is queued, so the GPU never
@@ -168,58 +213,59 @@ def main(argv=None):
     log = StepLog(metrics, config, device, tokens_seen=tokens_seen, is_logger=is_logger)
 
     # ---- train --------------------------------------------------------------------------
+    started, val, saved, stop = time.perf_counter(), None, None, False
+    saver = CheckpointSaver(config.checkpoint.async_save)   # files written in the background?
     try:
         for step in range(start_step, t.total_train_steps):
             log.start(step)
             log.queued(queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
                                   device))
-            every = config.checkpoint.save_frequency
+            watchdog.step = step + 1
+            stop = watchdog.stop_requested(step + 1)    # SIGTERM: all stop after one step
+            every, last = config.checkpoint.save_frequency, step + 1 == t.total_train_steps
             validate = t.val_frequency and (step + 1) % t.val_frequency == 0
-            save = every and ((step + 1) % every == 0 or step + 1 == t.total_train_steps)
-            if not (validate or save or step + 1 == t.total_train_steps):
+            save = ((every and (step + 1) % every == 0) or (last and (every or config.checkpoint
+                    .save_final)) or (stop and config.checkpoint.save_on_sigterm))
+            if not (validate or save or last or stop):
                 continue
             log.flush()
             if validate:
                 val = validation_loss(model, loss_fn, val_data, config, pgm, device)
-                metrics.write({"step": step + 1, "val_loss": val})
+                record = validation_record(step + 1, val, config)   # + bits per byte
+                metrics.write(record)
                 if is_logger:
-                    print(f"step {step + 1:>5} | val loss {val:.4f}", flush=True)
+                    print(validation_line(record), flush=True)
             if save:
-                save_checkpoint(model, optimizer, pgm, config, save_root(config, run_dir), step + 1,
-                                {"tokens_seen": log.tokens_seen,
-                                 "data": data_state(config, step + 1, data)})
+                with grads.full_parameters():           # ZeRO-3: gathered for the save
+                    saved = saver.save(model, optimizer, pgm, config, save_root(config, run_dir),
+                                       step + 1, {"tokens_seen": log.tokens_seen,
+                                                  "data": data_state(config, step + 1, data),
+                                                  "accepted_changes": accepted_changes})
+            if stop:
+                break
+        saver.wait()           # the save in flight is complete, or its error raised here
     except BaseException:      # a crash or Ctrl-C: the last finished step is still logged
         with contextlib.suppress(Exception):
             log.flush()
         raise
+    watchdog.close()
+    if is_logger and start_step < t.total_train_steps:
+        print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path),
+              flush=True)
+    if stop:                                        # a scheduler's notice: status 143 as a
+        if is_logger:                               # SIGTERM'd process, after saving
+            print(f"stopped by SIGTERM after step {watchdog.step}; resume with --set "
+                  f"checkpoint.load_path=latest", flush=True)
+        raise SystemExit(143)
     if owns_group:
         dist.destroy_process_group()
 
 
-def describe_run(config, pgm, device, run_dir) -> str:
-    """The run's first lines: what "auto" chose, the grid, the model, the batch."""
-    d, t = config.distributed, config.training
-    auto = getattr(config, "auto_resolved", {})
-    chosen = ", ".join(f"{k}={v}" for k, v in auto.items())
-    tokens_per_step = config.global_batch_size * t.seq_length
-    flops_tok = flops_per_token(config.model, t.seq_length)
-    lines = [f"auto on {device.type}: {chosen}"] if chosen else []
-    lines += [f"{pgm}", f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
-             f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} ({device.type})",
-             f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
-             f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "
-             f"{config.model.kernels}, loss {t.fused_loss}, recompute "
-             f"{t.activation_checkpointing}",
-             f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
-             f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
-             f"tokens/step; dtype {t.dtype}; run dir {run_dir}"]
-    if d.pp_size > 1:
-        lines.append(describe_split(config))
-    return "\n".join(lines)
 
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, MissingPackage, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ConfigError, MissingPackage) as e:      # read from the same file by every rank
+        exit_with_error(e, same_on_every_rank=True)
+    except (DataError, CheckpointError, RunStopped) as e:
+        exit_with_error(e, same_on_every_rank=False)

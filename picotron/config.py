@@ -1,9 +1,15 @@
 """Typed run configuration: load from JSON, validate with clear errors, save.
 
-One `Config` of six sections. Every key is a dataclass field, so an unknown key or a value
-of the wrong type is refused at load time, and every impossible layout is refused before a
-single process group exists. `create_config.py` writes through these same types, so what it
-writes always loads.
+One `Config` of six sections (their keys, defaults and meanings: picotron/config_sections.py).
+Every key is a dataclass field, so an unknown key or a value
+of the wrong type is refused at load time, as is every number outside its range
+(picotron/config_ranges.py) and every impossible layout, before a single process group exists.
+`create_config.py` writes through these same types, so what it writes always loads.
+
+A config FILE names all six sections: one left out is an error rather than 200 silent
+default steps. An empty section, e.g. `"checkpoint": {}`, takes every default of that section
+on purpose (a key left out of a section takes its default). `config_from_dict` builds from
+any part of a config, the rest defaulted, for tests and tools.
 """
 import copy
 import dataclasses
@@ -14,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from picotron.config_checks import layout_errors   # the checks live beside, by idea
-
-
-class ConfigError(ValueError):
-    """A config that cannot run. The message names every problem and its fix."""
+from picotron.config_ranges import range_errors
+from picotron.config_sections import (CheckpointConfig, DatasetConfig,  # noqa: F401
+                                      DistributedConfig, LoggingConfig, ModelConfig,
+                                      TrainingConfig)
+from picotron.errors import ConfigError            # noqa: F401 (re-exported)
+from picotron.overrides import apply_overrides
 
 
 class MissingPackage(ImportError):
@@ -28,128 +36,6 @@ class MissingPackage(ImportError):
     def __init__(self, option: str, package: str, fallback: str, error: Exception):
         super().__init__(f"{option} needs {package}, which cannot be imported here ({error}); "
                          f"{fallback}")
-
-
-@dataclass
-class DistributedConfig:
-    dp_size: int = 1            # data parallel: replicas that split the global batch
-    tp_size: int = 1            # tensor parallel: shards of every weight matrix (Megatron)
-    pp_size: int = 1            # pipeline parallel: stages of consecutive layers
-    cp_size: int = 1            # context parallel: shards of every sequence (ring attention)
-    cp_mode: str = "ring"       # ring: K/V pass around the ring | ulysses: all-to-all over heads
-    pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
-    pp_virtual_stages: int = 2  # interleaved only: model chunks per pp rank (Megatron's v)
-    use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
-    zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients
-    bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
-    overlap_grad_reduce: bool = True  # start each bucket's reduction during backward (false:
-                                      # all of them after backward; for measuring the overlap)
-    offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
-    sequence_parallel: bool = False  # with tp: shard norms/residuals along T (Korthikanti 22)
-    timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run
-
-
-@dataclass
-class ModelConfig:
-    # Field names follow Hugging Face's LlamaConfig so a model's config.json maps 1:1.
-    name: str = "debug"
-    vocab_size: int = 256
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # PaLM-style options (Chowdhery et al. 2022, section 2).
-    parallel_residual: bool = False   # x + attn(norm(x)) + mlp(norm(x)) with one shared norm
-    norm_type: str = "rmsnorm"        # rmsnorm | layernorm (LayerNorm without bias, as PaLM)
-    # auto: flash-attn when installed and on GPU, else sdpa; eager: the plain softmax(QK^T)V.
-    attn_implementation: str = "auto"
-    # auto: "triton" on GPUs ("torch" with training.compile), "torch" on CPU | torch: the
-    # readable PyTorch ops (reference) | liger: liger-kernel's Triton RMSNorm, RoPE and SwiGLU
-    # (CUDA) | triton: our Triton kernels, fused q/k/v and gate/up projections (CUDA);
-    # applied by picotron/speed/kernels.py
-    kernels: str = "auto"
-
-
-@dataclass
-class TrainingConfig:
-    seed: int = 42
-    learning_rate: float = 3e-4
-    min_lr_ratio: float = 0.1          # cosine decays to learning_rate * min_lr_ratio
-    warmup_steps: int = 10
-    total_train_steps: int = 200
-    micro_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    seq_length: int = 256
-    max_grad_norm: float = 1.0         # 0 disables clipping (the norm is still logged)
-    weight_decay: float = 0.1          # applied to matrices only, not norms
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    dtype: str = "bfloat16"            # float32 | bfloat16 | float16: parameters, activations
-    master_weights: bool = True        # fp32 master weights and AdamW moments (bf16/fp16)
-    initial_loss_scale: float = 65536.0  # float16 only: dynamic loss scaling
-    loss_scale_window: int = 1000      # good steps before the loss scale doubles
-    use_fused_adam: bool = True        # one-pass Triton AdamW on CUDA (ignored on CPU)
-    val_frequency: int = 0             # steps between val_loss evaluations; 0: never
-    # auto: "triton" on GPUs without tensor parallelism, else "none" | none: logits, then
-    # cross-entropy (reference) | chunked: head + loss a chunk of tokens at a time, plain
-    # PyTorch | liger: the same with liger-kernel | triton: the same with our Triton kernel,
-    # no host sync (picotron/speed/loss.py)
-    fused_loss: str = "auto"
-    # tokens per chunk of the "chunked" and "triton" losses; 0: 4096 (loss.default_rows says
-    # why). Larger chunks: more memory, fewer passes over the fp32 head-gradient accumulator
-    loss_chunk_tokens: int = 0
-    # auto: "selective" with model.kernels=triton, else "none" | none | full | selective
-    # (picotron/speed/recompute.py; with kernels=triton, "selective" recomputes the SwiGLU
-    # output in the MLP's backward)
-    activation_checkpointing: str = "auto"
-    # the layers that use it: the model's first N (layers 0..N-1, on whichever pipeline stage
-    # holds them); null: all. The others keep every activation, so N trades memory for the
-    # recomputation of N layers (Megatron's recompute_num_layers, counted over the model)
-    activation_checkpointing_layers: Optional[int] = None
-    compile: bool = False              # torch.compile each decoder layer
-    cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
-
-
-@dataclass
-class DatasetConfig:
-    # "embedded": text of this Python's standard library, byte-level (needs no download).
-    # "synthetic": random tokens drawn from the seed and the sample index.
-    # Anything else: a Hugging Face dataset id or a local path (directory, or text / json /
-    # jsonl / parquet / arrow files), tokenized once (picotron/tokenized_data.py).
-    name: str = "embedded"
-    subset_name: Optional[str] = None
-    split: str = "train"
-    text_column: str = "text"
-    num_samples: Optional[int] = None  # rows (documents) kept; windows for "embedded"
-    num_proc: int = 1                  # processes that tokenize (datasets.map)
-    tokenizer: Optional[str] = None    # None: the model's tokenizer, "byte": byte-level
-    val_split: Optional[str] = None    # held-out split; None: carve val_samples off the end
-    val_samples: int = 0               # validation windows (seq_length+1 tokens); 0: none
-
-
-@dataclass
-class CheckpointConfig:
-    save_dir: str = "checkpoints"      # relative paths are resolved against the run dir
-    save_frequency: int = 0            # steps between checkpoints (and the last); 0: never
-    keep_last: int = 0                 # checkpoints kept, oldest deleted first; 0: keep all
-    load_path: Optional[str] = None    # resume: a checkpoint directory or "latest"
-    init_from: Optional[str] = None    # Hugging Face weights (dir or hub id) to start from
-
-
-@dataclass
-class LoggingConfig:
-    run_dir: Optional[str] = None      # default: the folder holding the config file
-    log_frequency: int = 1
-    use_wandb: bool = False
-    project_name: str = "picotron"
-    run_name: Optional[str] = None
 
 
 @dataclass
@@ -240,7 +126,8 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None,
     resolved = copy.deepcopy(config)
     if not errors:
         resolve_auto(resolved)
-    errors += layout_errors(resolved, world_size)
+    # the layout checks divide and compare the sizes: they run once every value is in range
+    errors += range_errors(config) or layout_errors(resolved, world_size)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     return resolved if resolve else config
@@ -272,13 +159,23 @@ def resolve_auto(config: Config) -> None:
     config.auto_resolved = {**getattr(config, "auto_resolved", {}), **chosen}
 
 
-def load_config(path: str, world_size: Optional[int] = None) -> Config:
+def load_config(path: str, world_size: Optional[int] = None, overrides=()) -> Config:
+    """The config file at `path`, with `--set section.key=value` overrides applied on top."""
     try:
         with open(path) as f:
             raw = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' does not exist; write one with "
                           f"`python create_config.py --out_dir tmp --exp_name NAME`") from None
-    except json.JSONDecodeError as e:
+    except OSError as e:              # a folder, or a file this user cannot read
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
+    missing = [f.name for f in dataclasses.fields(Config) if isinstance(raw, dict)
+               and f.name not in raw]     # an empty section is the opt-in to its defaults
+    if missing:
+        raise ConfigError(f"config file '{path}' has no {' / '.join(missing)} section; add "
+                          f"it, or write `\"{missing[0]}\": {{}}` to take every default of it")
+    if overrides and isinstance(raw, dict):
+        apply_overrides(raw, list(overrides))
     return config_from_dict(raw, world_size)

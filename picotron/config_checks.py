@@ -15,20 +15,25 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
 KERNELS = ("auto", "torch", "liger", "triton")
 FUSED_LOSSES = ("auto", "none", "chunked", "liger", "triton")
 CHECKPOINTING = ("auto", "none", "full", "selective")
+FP8 = ("none", "tensorwise", "rowwise")
+# Settings a resume may change only when checkpoint.allow_changes lists them: each changes
+# which samples the run trains on (picotron/checkpoint_changes.py). The model's shape is not
+# among them: the weights would not fit.
+RESUME_CHANGES = ("training.seed", "training.seq_length", "global_batch_size",
+                  "dataset.name", "dataset.subset_name", "dataset.split", "dataset.text_column",
+                  "dataset.tokenizer", "dataset.num_samples", "dataset.val_split",
+                  "dataset.val_samples", "dataset.byte_range", "dataset.val_byte_range",
+                  "dataset.num_windows")
 
 
 def layout_errors(config, world_size: Optional[int] = None) -> list:
     """Every reason this config cannot run, each with the values involved and a fix.
 
     `config` is a `picotron.config.Config`; it is only read through its sections'
-    attributes, so this module does not import config.py (which imports it)."""
+    attributes, so this module does not import config.py (which imports it). Every number is
+    already in its range (picotron/config_ranges.py): these checks divide and compare them."""
     d, m, t = config.distributed, config.model, config.training
     errors = []
-    for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
-        if getattr(d, name) < 1:
-            errors.append(f"distributed.{name}={getattr(d, name)} must be >= 1")
-    if errors:
-        return errors
     if world_size is not None and config.world_size != world_size:
         errors.append(
             f"dp_size*tp_size*pp_size*cp_size = {d.dp_size}*{d.tp_size}*{d.pp_size}*{d.cp_size}"
@@ -36,12 +41,13 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
             f"`torchrun --nproc_per_node {config.world_size}` or change the sizes")
     if d.pp_engine not in PP_ENGINES:
         errors.append(f"distributed.pp_engine='{d.pp_engine}' must be one of {PP_ENGINES}")
-    if d.zero_stage not in (0, 1, 2):
-        errors.append(f"distributed.zero_stage={d.zero_stage} must be 0, 1 or 2")
-    if m.num_attention_heads < 1 or m.num_key_value_heads < 1 or m.num_hidden_layers < 1:
-        errors.append("model.num_attention_heads, num_key_value_heads and num_hidden_layers "
-                      "must all be >= 1")
-        return errors
+    if d.zero_stage not in (0, 1, 2, 3):
+        errors.append(f"distributed.zero_stage={d.zero_stage} must be 0, 1, 2 or 3")
+    elif d.zero_stage == 3:
+        errors += zero3_problems(config)
+    elif d.zero3_keep_params:
+        errors.append(f"distributed.zero3_keep_params applies to zero_stage=3 only (got "
+                      f"zero_stage={d.zero_stage}); drop it or set zero_stage=3")
     if m.hidden_size % m.num_attention_heads:
         errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
                       f"num_attention_heads={m.num_attention_heads}")
@@ -58,7 +64,10 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
     if m.num_key_value_heads % d.tp_size:
         errors.append(f"model.num_key_value_heads={m.num_key_value_heads} is not divisible by "
                       f"tp_size={d.tp_size}: each TP rank holds whole kv heads (they are not "
-                      f"replicated across ranks); pick a tp_size that divides it")
+                      f"replicated across ranks); pick a tp_size that divides it"
+                      + (", or more kv heads (--num_key_value_heads; 1 is multi-query "
+                         "attention, as the PaLM presets use)" if m.num_key_value_heads == 1
+                         else ""))
     per_rank = -(-m.vocab_size // d.tp_size)          # vocab rows per TP rank, padded
     if (d.tp_size - 1) * per_rank >= m.vocab_size:
         errors.append(f"model.vocab_size={m.vocab_size} split over tp_size={d.tp_size} "
@@ -126,25 +135,14 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
                       f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
     if t.cuda_graphs:
         errors += cuda_graph_problems(d, t, m)
+    if t.fp8 != "none":
+        errors += fp8_problems(config)
     if t.dtype not in DTYPES:
         errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")
-    for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_length",
-                 "total_train_steps"):
-        if getattr(t, name) < 1:
-            errors.append(f"training.{name}={getattr(t, name)} must be >= 1")
-    if t.warmup_steps < 0:
-        errors.append(f"training.warmup_steps={t.warmup_steps} must be >= 0")
-    if t.loss_chunk_tokens < 0:
-        errors.append(f"training.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 "
-                      f"(0: the default chunk)")
-    elif t.loss_chunk_tokens and t.fused_loss not in ("chunked", "triton"):
+    if t.loss_chunk_tokens and t.fused_loss not in ("chunked", "triton"):
         errors.append(f"training.loss_chunk_tokens={t.loss_chunk_tokens} sizes the chunks of "
                       f"training.fused_loss 'chunked' and 'triton', not '{t.fused_loss}'; "
                       f"set it to 0 or pick one of those losses")
-    if not 0.0 <= d.offload_optim_frac <= 1.0:
-        errors.append(f"distributed.offload_optim_frac={d.offload_optim_frac} must be in [0, 1]")
-    if d.bucket_size_mb <= 0:
-        errors.append(f"distributed.bucket_size_mb={d.bucket_size_mb} must be > 0")
     if t.dtype == "float16" and not t.master_weights:
         errors.append("training.dtype='float16' needs training.master_weights=true: fp16 "
                       "weights cannot absorb small updates, and loss scaling unscales into them")
@@ -162,19 +160,13 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
                       "part of the logits' gradient (liger rounds it to fp16 before the loss "
                       "scale applies); use training.fused_loss='triton' or 'chunked', or "
                       "training.dtype='bfloat16'")
-    if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
-        errors.append(f"training.initial_loss_scale={t.initial_loss_scale} and "
-                      f"loss_scale_window={t.loss_scale_window} must be >= 1")
-    if m.vocab_size < 2:
-        errors.append(f"model.vocab_size={m.vocab_size} must be >= 2")
-    errors += [f"{k}={v} must be >= 0" for k, v in (
-        ("training.val_frequency", t.val_frequency), ("dataset.val_samples",
-         config.dataset.val_samples), ("checkpoint.save_frequency",
-         config.checkpoint.save_frequency), ("checkpoint.keep_last", config.checkpoint.keep_last))
-        if v < 0]
     if t.val_frequency > 0 and config.dataset.val_samples == 0:
         errors.append(f"training.val_frequency={t.val_frequency} but dataset.val_samples=0: "
                       f"set dataset.val_samples to the number of held-out windows")
+    unknown = [c for c in config.checkpoint.allow_changes if c not in RESUME_CHANGES]
+    if unknown:
+        errors.append(f"checkpoint.allow_changes names {unknown}, which a resume cannot "
+                      f"accept; it takes a list of: {', '.join(RESUME_CHANGES)}")
     return errors
 
 
@@ -183,10 +175,8 @@ def pipeline_errors(config) -> list:
     interleaved sends them round in groups of pp_size through pp_size*v equal layer chunks."""
     d, m, acc = config.distributed, config.model, config.training.gradient_accumulation_steps
     pp, v = d.pp_size, d.pp_virtual_stages
-    errors = [] if d.timeout_s > 0 else [f"distributed.timeout_s={d.timeout_s} must be > 0"]
-    if v < 1:
-        errors.append(f"distributed.pp_virtual_stages={v} must be >= 1")
-    elif pp > 1 and d.pp_engine == "interleaved" and acc % pp:
+    errors = []
+    if pp > 1 and d.pp_engine == "interleaved" and acc % pp:
         errors.append(f"pp_engine=interleaved needs training.gradient_accumulation_steps to be "
                       f"a multiple of pp_size={pp} (at least {pp}), got {acc}")
     elif pp > 1 and d.pp_engine == "interleaved" and m.num_hidden_layers % (pp * v):
@@ -220,4 +210,52 @@ def cuda_graph_problems(d, t, m):
     if t.compile:
         problems.append("training.cuda_graphs and training.compile are two ways to launch the "
                         "layers; choose one")
+    return problems
+
+
+def fp8_problems(config) -> list:
+    """training.fp8 (picotron/speed/fp8.py) runs torch._scaled_mm on FP8 tensor cores, whose
+    GEMMs want every reduction and output size a multiple of 16; the GPU's generation is
+    checked when the run is built (fp8_layers.check_fp8_device)."""
+    d, m, t = config.distributed, config.model, config.training
+    if t.fp8 not in FP8:
+        return [f"training.fp8='{t.fp8}' must be one of {FP8}"]
+    problems = []
+    if d.use_cpu:
+        problems.append(f"training.fp8='{t.fp8}' runs FP8 GEMMs on GPUs with FP8 tensor cores "
+                        f"(sm89+), but distributed.use_cpu is true; set training.fp8='none'")
+    elif t.dtype != "bfloat16":
+        problems.append(f"training.fp8='{t.fp8}' computes in FP8 and returns bf16 (the "
+                        f"row-scaled GEMM has no other output), but training.dtype="
+                        f"'{t.dtype}'; set training.dtype='bfloat16'")
+    if t.cuda_graphs:
+        problems.append("training.fp8 with training.cuda_graphs is not supported yet (the "
+                        "compiled FP8 casts were never captured in a graph); drop one")
+    head_dim = m.hidden_size // m.num_attention_heads
+    tokens = t.micro_batch_size * t.seq_length // d.cp_size
+    sizes = {"hidden_size": m.hidden_size, "hidden_size/tp_size": m.hidden_size // d.tp_size,
+             "num_key_value_heads*head_dim/tp_size": m.num_key_value_heads * head_dim
+             // d.tp_size, "intermediate_size/tp_size": m.intermediate_size // d.tp_size,
+             "micro_batch_size*seq_length/cp_size (tokens)": tokens}
+    odd = [f"{name}={value}" for name, value in sizes.items() if value % 16]
+    if odd:
+        problems.append(f"training.fp8 needs the projections' sizes on each rank to be "
+                        f"multiples of 16 (FP8 GEMMs), but {', '.join(odd)}; change them or "
+                        f"set training.fp8='none'")
+    return problems
+
+
+def zero3_problems(config) -> list:
+    """zero_stage=3 gathers each layer's parameters in a forward pre-hook and frees them after
+    (picotron/data_parallel/zero3.py): what cannot run that way."""
+    t = config.training
+    problems = []
+    if t.cuda_graphs:
+        problems.append("distributed.zero_stage=3 gathers and frees each layer's parameters "
+                        "around its forward and backward, which training.cuda_graphs would "
+                        "freeze into a graph; set training.cuda_graphs=false or zero_stage <= 2")
+    if t.compile:
+        problems.append("distributed.zero_stage=3 runs collectives in each layer's forward "
+                        "hooks, which training.compile would trace; set training.compile=false "
+                        "or zero_stage <= 2")
     return problems

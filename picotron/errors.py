@@ -1,4 +1,8 @@
-"""The data error, alone at the bottom of the import graph.
+"""The errors a user's input can raise, at the bottom of the import graph.
+
+`ConfigError` is raised by the config's checks (picotron/config.py re-exports it, the name the
+entry points catch) and by the `--set` overrides (picotron/overrides.py), which config.py
+imports.
 
 `DataError` is raised by the data sources (picotron/data.py), the Hugging Face dataset loader
 (picotron/tokenized_data.py) and the tokenizers (picotron/tokenizer.py). data.py imports the
@@ -8,3 +12,12 @@ other; `picotron.data` re-exports it, the name the entry points catch."""
 
 class DataError(ValueError):
     """The dataset section names data that cannot be loaded."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names every problem and its fix."""
+
+
+class RunStopped(RuntimeError):
+    """A run that stops itself rather than go on producing nothing (every step skipped for
+    a non-finite gradient). The message says what happened and what to change."""

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from picotron.errors import RunStopped
 from picotron.utils import flops_per_token, format_step, peak_flops
 
 
@@ -59,6 +60,11 @@ class StepLog:
         self.peak = peak_flops(device)          # None on CPU: no MFU
         self.started = None     # (step, start mark) of the step being queued
         self.pending = None     # (step, values, start mark, end mark): queued, not yet logged
+        # progress: host-clock start of this launch, and the first logged step's end (the
+        # time left is extrapolated from the steps after it: the first pays the warm-up)
+        self.tokens_at_start = tokens_seen
+        self.clock_start, self.first_logged = time.perf_counter(), None
+        self.last_record, self.skipped_total, self.skipped_in_a_row = None, 0, 0
 
     def _mark(self):
         """A point in time: a CUDA event on the current stream, or the host's clock."""
@@ -108,6 +114,39 @@ class StepLog:
                   "skipped": bool(r["skipped"])}   # a non-finite gradient norm: no update
         if self.config.training.dtype == "float16":
             record["loss_scale"] = r["loss_scale"]
+        record.update(self._progress(step + 1))
         self.metrics.write(record)
+        self.last_record = record
         if self.is_logger and record["step"] % self.config.logging.log_frequency == 0:
             print(format_step(record), flush=True)
+        self._count_skipped(record)
+
+    def _progress(self, done: int) -> dict:
+        """Elapsed time of this launch and the time left, from the mean step since the first
+        logged one (host clock: the wall time a user waits, checkpoints and validation
+        included)."""
+        now, total = time.perf_counter(), self.config.training.total_train_steps
+        if self.first_logged is None:
+            self.first_logged = (done, now)
+        first_step, first_time = self.first_logged
+        left = None
+        if done > first_step:
+            left = (now - first_time) / (done - first_step) * (total - done)
+        return {"total_steps": total, "elapsed_s": now - self.clock_start, "eta_s": left}
+
+    def _count_skipped(self, record) -> None:
+        """Stops the run when training.max_skipped_steps steps in a row were skipped (every
+        rank reads the same values, so every rank stops at the same step)."""
+        skipped = record["skipped"]
+        self.skipped_total += skipped
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        limit = self.config.training.max_skipped_steps
+        if limit and self.skipped_in_a_row >= limit:
+            raise RunStopped(
+                f"the last {self.skipped_in_a_row} steps (to step {record['step']}) were all "
+                f"skipped for a non-finite gradient (loss {record['loss']}, grad norm "
+                f"{record['grad_norm']}): the model no longer trains. Lower "
+                f"training.learning_rate (now {self.config.training.learning_rate:g}), or with "
+                f"float16 use bfloat16; resume from the last checkpoint before it diverged "
+                f"(--set checkpoint.load_path=DIR). training.max_skipped_steps={limit} sets "
+                f"how many skipped steps in a row stop a run (0: never)")

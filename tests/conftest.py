@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ if not torch.cuda.is_available():
     # their tests use small inputs, but every kernel's indexing and math is checked there.
     # Set before any @triton.jit runs (kernels are wrapped for the interpreter at decoration).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The shared token cache (and Hugging Face's caches) go to the user's cache folder, found
+# through XDG_CACHE_HOME: the tests (and the runs they launch) get a folder of their own.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="picotron-test-cache-")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]

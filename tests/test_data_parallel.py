@@ -125,14 +125,17 @@ def test_fp16_training_skips_overflowing_steps_and_trains(tmp_path):
     """fp16 on CPU with an absurd initial scale: the first steps overflow, are skipped and
     logged, the scale halves each time, and training then proceeds with finite losses."""
     path = write_config(tmp_path, "fp16", TINY + ["--set", "training.dtype=float16",
-                                                  "--set", "training.initial_loss_scale=1e12",
+                                                  "--set", "training.initial_loss_scale=4294967296",
                                                   "--total_train_steps", "60",
                                                   "--set", "checkpoint.save_frequency=0"])
     launch(path, 1)
     records = read_metrics(path)
     skipped = [r["step"] for r in records if r["skipped"]]
-    # fp16 gradients overflow until the scale is below ~1e5: about 23 halvings from 1e12.
-    assert skipped == list(range(1, len(skipped) + 1)) and 15 <= len(skipped) <= 35, skipped
+    # fp16 gradients overflow until the scale is below ~1e5: about 16 halvings from 2^32 (the
+    # largest initial scale the config takes), fewer than training.max_skipped_steps (25)
+    # (then, rarely, one more overflow as the gradients grow: the scale halves again)
+    first = next(i for i, s in enumerate(skipped + [0]) if s != i + 1)   # the opening run
+    assert 10 <= first <= 24 and len(skipped) - first <= 3, skipped
     for s in skipped[1:]:
         assert records[s - 1]["loss_scale"] == records[s - 2]["loss_scale"] / 2
     good = [r for r in records if not r["skipped"]]
@@ -141,16 +144,14 @@ def test_fp16_training_skips_overflowing_steps_and_trains(tmp_path):
 
 
 def test_a_non_finite_gradient_skips_the_update_in_any_dtype(tmp_path):
-    """fp32 (no loss scaler): a learning rate of 1e30 turns the weights into ~1e30 after the
-    first update, the next forward overflows, and from then on the gradient norm is not
-    finite. Those steps must be recorded as skipped and leave the weights as they were."""
-    path = write_config(tmp_path, "nan", TINY + ["--learning_rate", "1e30", "--set",
-                                                 "training.warmup_steps=0", "--set",
-                                                 "training.min_lr_ratio=1.0"])
-    launch(path, 1)
+    """fp32 (no loss scaler): from the second step on the gradient norm is not finite (as a
+    diverged model's: tests/workers/diverging_run.py). Those steps must be recorded as
+    skipped and leave the weights as they were."""
+    path = write_config(tmp_path, "nan", TINY + ["--set", "training.warmup_steps=0"])
+    launch_script(os.path.join(ROOT, "tests", "workers", "diverging_run.py"), 1, [path, 2])
     records = read_metrics(path)
     assert [r["skipped"] for r in records] == [False] + [True] * 4, records
-    assert all(not torch.isfinite(torch.tensor(r["grad_norm"])) for r in records[1:])
+    assert all(r["grad_norm"] is None for r in records[1:])    # not finite: written as null
     after_first = final_weights(path)           # saved after step 5: still step 1's weights
     assert all(torch.isfinite(w).all() for w in after_first.values())
 

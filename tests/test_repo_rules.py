@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package's layers, lowest first: a module may import modules of its own layer or lower.
 # A name covers the module and everything below it; a module named nowhere is in "run".
 LAYERS = [
-    ("config", ["picotron.config", "picotron.config_checks", "picotron.presets",
+    ("config", ["picotron.config", "picotron.config_checks", "picotron.config_sections",
+                "picotron.config_ranges", "picotron.overrides", "picotron.presets",
                 "picotron.errors"]),
     ("grid", ["picotron.process_group_manager", "picotron.comm"]),
     ("model", ["picotron.model", "picotron.attention", "picotron.loss"]),
@@ -28,7 +29,7 @@ LAYERS = [
 # (and the standard library), and never names a fast path.
 MODEL_IMPORTS = ("torch", "picotron.config", "picotron.attention")
 MODEL_BANNED = ("kernels", "triton", "liger", "checkpoint", "cuda_graph", "fused", "head=")
-SCRIPTS = ("train.py", "create_config.py", "generate.py", "export_hf.py")
+SCRIPTS = ("train.py", "create_config.py", "generate.py", "export_hf.py", "plot.py")
 
 
 def repo_files():

@@ -100,7 +100,9 @@ def test_one_record_per_step_in_order(tmp_path):
     assert [r["grad_norm"] for r in got] == [(2.0 + i) / 2 for i in range(7)]
     assert set(got[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
                            "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gb",
-                           "step_time_s", "skipped"}
+                           "step_time_s", "skipped", "total_steps", "elapsed_s", "eta_s"}
+    assert got[0]["eta_s"] is None and got[-1]["eta_s"] >= 0     # left: from step 2 on
+    assert got[0]["total_steps"] == 200 and got[-1]["elapsed_s"] >= got[0]["elapsed_s"]
     assert got[0]["mfu"] is None and got[0]["skipped"] is False      # CPU: no peak FLOP/s
 
 
@@ -111,7 +113,8 @@ def test_prints_every_log_frequency_steps_on_the_logger_only(tmp_path, capsys):
         step(log, i)
     log.flush()
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split("|")[0].split() for line in lines] == [["step", "2"], ["step", "4"]]
+    assert [line.split("|")[0].split() for line in lines] == [["step", "2/200"],
+                                                               ["step", "4/200"]]
     assert all(r["loss_scale"] == 8.0 for r in records(tmp_path))    # fp16 only
     quiet = make_log(tmp_path / "other", is_logger=False)
     for i in range(3):

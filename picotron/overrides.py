@@ -1,0 +1,47 @@
+"""`--set section.key=value`: one override of a config key, the same on every command.
+
+`create_config.py` applies them to the config it writes; `train.py` applies them on top of
+the config file it reads, so a run can be resumed or varied without editing the file:
+
+    torchrun --nproc_per_node 1 train.py --config tmp/debug/config.json \\
+        --set checkpoint.load_path=latest --set training.total_train_steps=400
+
+The value is read as JSON when it parses (`10`, `1e-4`, `true`, `null`, `"8"`), else as a
+string (`--set dataset.name=synthetic`). The result is validated like any config, so a typo
+in a key or a value of the wrong type is refused with the same message as in a file.
+"""
+import json
+
+from picotron.errors import ConfigError
+
+# The config's sections (picotron/config.py's Config, which imports this module).
+SECTIONS = ("distributed", "model", "training", "dataset", "checkpoint", "logging")
+
+
+def parse_override(item: str) -> tuple:
+    """'section.key=value' -> (section, key, value)."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"--set {item!r} must look like section.key=value, "
+                          f"e.g. --set training.warmup_steps=10")
+    path, text = item.split("=", 1)
+    section, key = path.split(".", 1)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text                   # a bare string: --set dataset.name=synthetic
+    return section, key, value
+
+
+def apply_overrides(raw: dict, items: list) -> dict:
+    """Apply each `--set` item to the config dict `raw` (in place; also returned). An
+    unknown section is refused here; an unknown key or a bad value by the config's checks."""
+    for item in items:
+        section, key, value = parse_override(item)
+        if not isinstance(raw.get(section, {}), dict):
+            raise ConfigError(f"--set {item!r}: '{section}' in the config is not a section")
+        if section not in raw and section not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section '{section}'; valid sections: "
+                              f"{', '.join(SECTIONS)}")
+        raw.setdefault(section, {})[key] = value
+    return raw
+
