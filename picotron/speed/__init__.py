@@ -6,6 +6,8 @@ against. On GPUs the config's "auto" values turn them on (config.resolve_auto).
     kernels.py       model.kernels: the norms, attention and MLP as subclasses running fused
                      kernels (triton_layers.py: triton_norms, triton_rope, triton_swiglu,
                      fused_linear; liger_layers.py)
+    fp8_layers.py    training.fp8: the decoder layers' projections as FP8 GEMMs (fp8.py;
+                     fp8_triton.py: the fused ones of model.kernels="triton")
     recompute.py     training.activation_checkpointing: none | full | selective, per layer
     loss.py          training.fused_loss: the head moved into the loss, chunk by chunk
                      (triton_loss.py: its Triton kernel)
@@ -20,20 +22,24 @@ then `build_optimizer`.
 from picotron.config import resolve_auto
 from picotron.speed.adamw import build_optimizer  # noqa: F401
 from picotron.speed.cuda_graphs import capture_layers  # noqa: F401
+from picotron.speed.fp8_layers import apply_fp8
 from picotron.speed.kernels import apply_kernels
 from picotron.speed.loss import apply_fused_loss
 from picotron.speed.recompute import apply_activation_checkpointing
 
 
-def apply_speed(model, loss_fn, config):
-    """(model, loss_fn) with the fast paths the config asks for, in place.
+def apply_speed(model, loss_fn, config, tp_group=None):
+    """(model, loss_fn) with the fast paths the config asks for, in place. `tp_group`: the
+    tensor-parallel group (FP8 scales of sharded projections are all-reduced over it).
 
     Order: kernels first (a class swap, which recomputation must see: it binds the layer's
-    forward, and "selective" with our kernels is a flag on their MLP), then recomputation,
+    forward, and "selective" with our kernels is a flag on their MLP), then FP8 (a class swap
+    of the projections, and of the kernels' attention and MLP), then recomputation,
     then the loss (it swaps the head), and torch.compile last, on the layers as they run.
     "auto" options are resolved first, if the config was not loaded by config_from_dict."""
     resolve_auto(config)
     apply_kernels(model, config)
+    apply_fp8(model, config, tp_group)
     apply_activation_checkpointing(model, config)
     model, loss_fn = apply_fused_loss(model, loss_fn, config)
     if config.training.compile:     # in place: parameter names stay those of the layout

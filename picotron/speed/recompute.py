@@ -32,7 +32,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 aten = torch.ops.aten
 # Saved by "selective": matrix products and fused attention (every backend's op name).
-_SAVED_OPS = {aten.mm.default, aten.addmm.default}
+_SAVED_OPS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}   # FP8: fp8.py
 for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
     if hasattr(aten, _name):

@@ -36,11 +36,15 @@ class TritonLayerNorm(LayerNorm):
 
 
 class TritonAttention(Attention):
+    def project(self, x, weights):
+        """x @ cat(weights)^T as one GEMM (fp8_triton.py's subclass runs it in FP8)."""
+        return fused_linear(x, weights)
+
     def forward(self, x, cos, sin, position_ids):
         B, T, _ = x.shape
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         heads, kv_heads = (w.shape[0] // self.head_dim for w in weights[:2])   # this rank's
-        qkv = fused_linear(x, weights)                              # (B, T, (H + 2K) * D)
+        qkv = self.project(x, weights)                              # (B, T, (H + 2K) * D)
         q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)          # (B, H|K, T, D), rotated
         out = self.attention_fn(q, k, v, position_ids)                          # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))              # (B, T, C)
@@ -48,9 +52,10 @@ class TritonAttention(Attention):
 
 class TritonMLP(MLP):
     recompute_swiglu = False     # set per layer by speed/recompute.py ("selective")
+    project = TritonAttention.project
 
     def forward(self, x):
-        gu = fused_linear(x, [self.gate_proj.weight, self.up_proj.weight])     # (B, T, 2I)
+        gu = self.project(x, [self.gate_proj.weight, self.up_proj.weight])     # (B, T, 2I)
         if not self.recompute_swiglu:
             return self.down_proj(swiglu_packed(gu))
         # the down projection's own matmul, so a row-parallel one still needs its sum over TP

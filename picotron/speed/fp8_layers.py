@@ -1,0 +1,130 @@
+"""apply_fp8: the decoder layers' projections (q/k/v/o, gate/up/down) swapped for subclasses
+whose forward runs fp8.py's FP8 GEMMs (`training.fp8` = "tensorwise" | "rowwise").
+
+Everything else keeps its class: the embedding, the output head, the norms, attention itself
+(softmax needs the range FP8 lacks, and the head's logits feed the loss directly), so a run
+differs from its bf16 twin only in the seven GEMM families that hold most of the FLOPs.
+
+A class swap in place, as speed/kernels.py does: the parameters stay the same tensors under the
+same names, so an FP8 run's checkpoint is an ordinary checkpoint (it resumes in bf16, and a bf16
+one in FP8); the weights are cast to FP8 afresh at every use, never stored in it.
+
+    nn.Linear             -> Fp8Linear                 one process
+    ColumnParallelLinear  -> Fp8ColumnParallelLinear   its O is sharded: dy's and W's scales
+                                                       are all-reduced over the TP group
+    RowParallelLinear     -> Fp8RowParallelLinear      its C_in is sharded: x's and W's scales
+                                                       are all-reduced; then g as before
+    TritonAttention, TritonMLP (model.kernels="triton") -> their FP8 subclasses (fp8_triton.py):
+                             the fused q/k/v and gate/up projections, one FP8 GEMM each
+
+Applied after speed/kernels.py (whose classes it must see) and before recompute.py.
+Refused on CPU and on GPUs without FP8 tensor cores (config_checks.fp8_problems, and
+`check_fp8_device` when the run is built).
+"""
+import torch
+import torch.nn as nn
+
+from picotron.errors import ConfigError
+from picotron.speed.fp8 import fp8_linear
+from picotron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class Fp8Linear(nn.Linear):
+    fp8_recipe = "tensorwise"        # set per module by apply_fp8
+
+    def forward(self, x):
+        return fp8_linear(x, [self.weight], self.fp8_recipe)                 # (..., O)
+
+
+class Fp8ColumnParallelLinear(ColumnParallelLinear):
+    fp8_recipe, fp8_group = "tensorwise", None       # set per module by apply_fp8
+
+    def forward(self, x):
+        return fp8_linear(x, [self.weight], self.fp8_recipe, out_group=self.fp8_group)
+
+
+class Fp8RowParallelLinear(RowParallelLinear):
+    fp8_recipe = "tensorwise"
+
+    def forward(self, x):
+        partial = fp8_linear(x, [self.weight], self.fp8_recipe, in_group=self.tp_group)
+        return self.reduce(partial)                  # g on the (B, T, O) partial product
+
+
+FP8_LINEARS = {nn.Linear: Fp8Linear, ColumnParallelLinear: Fp8ColumnParallelLinear,
+               RowParallelLinear: Fp8RowParallelLinear}
+
+
+def check_fp8_device(config):
+    """On a GPU, refuse one without FP8 tensor cores (compute capability below 8.9: Ada,
+    Hopper and Blackwell have them) before any step runs, then try the recipe's GEMMs once on
+    a tiny matrix: a torch or a GPU without them (row-scaled GEMMs came to Hopper first) is
+    refused here, in one line, not in the middle of the first step."""
+    recipe = config.training.fp8
+    if recipe == "none" or config.distributed.use_cpu:
+        return
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"training.fp8='{recipe}' needs FP8 tensor cores (compute "
+                          f"capability 8.9 or later: L4/L40, H100/H200, B200), but {name} is "
+                          f"{major}.{minor}; set training.fp8='none'")
+    error = fp8_gemm_error(recipe)
+    if error:
+        fix = "'tensorwise' or 'none'" if recipe == "rowwise" else "'none'"
+        raise ConfigError(f"training.fp8='{recipe}' cannot run on {name} ({major}.{minor}) "
+                          f"with torch {torch.__version__}: {error}; set training.fp8={fix}")
+
+
+def fp8_gemm_error(recipe: str):
+    """The first line of the error a tiny FP8 linear of `recipe` raises on this GPU, forward
+    and backward, or None when it runs."""
+    x, w = (torch.ones(16, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    try:
+        fp8_linear(x, [w], recipe).sum().backward()
+    except RuntimeError as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
+
+
+def fp8_branch_classes(kernels: str) -> dict:
+    """{fast attention / MLP class: its FP8 subclass}: the fused projections of
+    model.kernels="triton" call their weights directly, not through the linears' forward."""
+    if kernels != "triton":
+        return {}       # torch and liger call each projection module: the linears are enough
+    from picotron.speed.fp8_triton import FP8_CLASSES
+    return FP8_CLASSES
+
+
+def apply_fp8(model, config, tp_group=None):
+    """Swap, in place, the projections of every decoder layer this rank holds for their FP8
+    subclasses (`training.fp8`; nothing when "none"). `tp_group`: the tensor-parallel group the
+    sharded projections' scales are all-reduced over."""
+    recipe = config.training.fp8
+    if recipe == "none":
+        return model
+    check_fp8_device(config)
+    branches = fp8_branch_classes(config.model.kernels)
+    for layer in model.layers.values():
+        for branch in (layer.self_attn, layer.mlp):
+            fast = branches.get(type(branch))
+            if fast is not None:
+                branch.__class__ = fast
+                branch.fp8_recipe, branch.fp8_group = recipe, _sharded_group(branch, tp_group)
+            for projection in branch.children():
+                fp8 = FP8_LINEARS.get(type(projection))
+                if fp8 is None:
+                    continue
+                assert getattr(projection, "bias", None) is None, "FP8 linears have no bias"
+                projection.__class__ = fp8
+                projection.fp8_recipe = recipe
+                if fp8 is Fp8ColumnParallelLinear:
+                    projection.fp8_group = tp_group
+    return model
+
+
+def _sharded_group(branch, tp_group):
+    """The group an attention / MLP block's column-parallel projections are sharded over."""
+    return tp_group if any(isinstance(p, ColumnParallelLinear) for p in branch.children()) \
+        else None
