@@ -21,7 +21,7 @@ import pytest
 
 from launch import ROOT, free_port, write_config
 
-HEARTBEAT_S = 4.0
+HEARTBEAT_S = 6.0
 LAYOUTS = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "dp2-pp2": ["--dp", "2", "--pp", "2"]}
 STEPS = 14
 
