@@ -4,7 +4,7 @@
 
 For each config (the raw JSON dict), one after the other: train.py's build_training, then two
 queue_steps (the second has AdamW's moments), and one line "PEAK <bytes>": the growth of the
-process's resident-set high-water mark (getrusage's ru_maxrss) over the run, the mark being
+process's resident-set high-water mark (VmHWM) over the run, the mark being
 reset to the current resident set before each (Linux's clear_refs). Honest only with
 glibc's mmap threshold fixed low (MALLOC_MMAP_THRESHOLD_, set by the test): every tensor of
 more than 64 KiB is then its own mapping, returned to the system when freed, so the resident
@@ -14,7 +14,6 @@ libraries' code and thread pools its steps touch are resident before the first m
 """
 import gc
 import json
-import resource
 import sys
 
 import torch
@@ -37,7 +36,12 @@ def two_steps(raw: dict):
 
 
 def high_water_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # KiB on Linux
+    """The resident-set high-water mark VmHWM, which clear_refs resets (getrusage's ru_maxrss
+    is the process's lifetime peak: clear_refs leaves it, so it hid a config's peak behind an
+    earlier, larger one)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024                                  # kB
 
 
 def reset_high_water() -> None:
