@@ -15,6 +15,7 @@ import torch
 
 from picotron.pipeline_parallel import describe_split
 from picotron.utils import count_params, duration, flops_per_token
+from picotron.watchdog import tell_launcher
 
 
 def describe_run(config, pgm, device, run_dir) -> str:
@@ -86,13 +87,11 @@ def exit_with_error(error: Exception, same_on_every_rank: bool) -> None:
     0, so torchrun lists one failure, not one per rank; any other error is theirs to report."""
     rank = int(os.environ.get("RANK", 0))
     message = f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if rank == 0 or not (same_on_every_rank or error_file):
+    launched = "TORCHELASTIC_ERROR_FILE" in os.environ
+    if rank == 0 or not (same_on_every_rank or launched):
         print(message, file=sys.stderr, flush=True)
-    if error_file and (rank == 0 or not same_on_every_rank):
-        with open(error_file, "w") as f:        # the format torchrun reads back
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    if rank == 0 or not same_on_every_rank:
+        tell_launcher(message)
     if rank != 0 and same_on_every_rank:
         sys.exit(0)
     sys.exit(2)

@@ -29,21 +29,14 @@ import time
 
 import numpy as np
 
+from picotron.shards import sha256    # of a file, read in 4 MiB blocks
+
 FORMAT = "picotron-tokens-v1"
 # A tokenizer folder (often a model folder) is fingerprinted by every file in it but weights:
 # whichever files a tokenizer reads (tokenizer.json, vocab + merges, a sentencepiece model,
 # its config) are then covered.
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
                 ".onnx")
-
-
-def sha256(path: str) -> str:
-    """Of a file, read in 4 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def default_cache_dir() -> str:

@@ -106,9 +106,18 @@ class Watchdog:
         (the training thread may be blocked in a collective that will never return)."""
         text = f"error (rank {self.rank}, step {self.step}): {message}"
         print(text, file=sys.stderr, flush=True)
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:
-            with open(error_file, "w") as f:
-                json.dump({"message": {"message": text, "extraInfo": {
-                    "py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+        tell_launcher(text)
         os._exit(3)
+
+
+def tell_launcher(text: str) -> bool:
+    """Write `text` to torchrun's error file (TORCHELASTIC_ERROR_FILE), in the format its
+    closing report reads back, so the report shows it as this rank's failure instead of "To
+    enable traceback...". False when no launcher asked for one."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    with open(error_file, "w") as f:
+        json.dump({"message": {"message": text, "extraInfo": {
+            "py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+    return True

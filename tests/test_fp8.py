@@ -101,10 +101,16 @@ def test_fp8_swiglu_linear_is_swiglu_then_the_fp8_linear(recipe):
     SwiGLU followed by the FP8 linear gives, output and both gradients: the same h, cast the
     same way, whether kept or recomputed."""
     pytest.importorskip("triton")
-    from picotron.speed.fp8_triton import Fp8SwiGLULinear
-    from picotron.speed.triton_swiglu import swiglu_packed
     torch.manual_seed(2)
     gu, w, dy = torch.randn(2, 16, 96), 0.1 * torch.randn(32, 48), torch.randn(2, 16, 32)
+    assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe)
+
+
+def assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe):
+    """Fp8SwiGLULinear (h recomputed in backward) against the SwiGLU then the FP8 linear (h
+    kept): output and both gradients bitwise equal. Shared with tests/test_fp8_gpu.py."""
+    from picotron.speed.fp8_triton import Fp8SwiGLULinear
+    from picotron.speed.triton_swiglu import swiglu_packed
     results = []
     for fn in (lambda g, w: fp8_linear(swiglu_packed(g * 1), [w], recipe),
                lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe == "rowwise", None, w)):

@@ -27,7 +27,7 @@ import create_config  # noqa: E402
 from launch import launch, read_metrics  # noqa: E402
 from picotron.speed import fp8 as fp8_module  # noqa: E402
 from picotron.speed.fp8 import E4M3, E5M2, fp8_linear  # noqa: E402
-from test_fp8 import product_bound  # noqa: E402
+from test_fp8 import assert_swiglu_kept_equals_recomputed, product_bound  # noqa: E402
 
 # the bf16 output's rounding: half of bf16's relative step, of |y| <= (1 + 2^-3)^2 sum|a||b|
 # (each operand rounded by at most e5m2's 2^-3)
@@ -72,21 +72,11 @@ def test_fp8_linear_within_the_formats_rounding_on_gpu(recipe, monkeypatch):
 def test_fp8_swiglu_linear_on_gpu(recipe):
     """"selective" with our kernels: the SwiGLU + down projection that recomputes h equals the
     Triton SwiGLU followed by the FP8 linear, bit for bit (the same h, cast the same way)."""
-    from picotron.speed.fp8_triton import Fp8SwiGLULinear
-    from picotron.speed.triton_swiglu import swiglu_packed
     torch.manual_seed(0)
     gu = torch.randn(4, 1024, 2 * 2560, device="cuda", dtype=torch.bfloat16)
     w = (0.02 * torch.randn(960, 2560, device="cuda")).bfloat16()
     dy = torch.randn(4, 1024, 960, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for fn in (lambda g, w: fp8_linear(swiglu_packed(g * 1), [w], recipe),
-               lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe == "rowwise", None, w)):
-        g, ws = gu.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fn(g, ws)           # g * 1: a fresh intermediate, overwritten in place as in the MLP
-        y.backward(dy)
-        results.append((y.detach(), g.grad, ws.grad))
-    for name, ref, got in zip(("y", "d gu", "dW"), *results):
-        assert torch.equal(got, ref), name
+    assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe)
 
 
 def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1):
