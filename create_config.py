@@ -3,7 +3,9 @@
 Takes picotron's flags, plus `--set section.key=value` for any other key of the config
 (repeatable; the value is read as JSON when it parses, else as a string). The config is built
 and validated through picotron.config before anything is written, so a bad combination is
-refused here, not at step 3 of a run. Prints the path of the written config.
+refused here, not at step 3 of a run. Prints the path of the written config. With `--slurm
+--nodes N --gpus_per_node G --partition P --time T` it also writes `slurm.sh` beside it, a
+batch script for several nodes (picotron/slurm.py).
 """
 import argparse
 import json
@@ -14,6 +16,7 @@ from picotron.config import Config, ConfigError, config_from_dict
 from picotron.overrides import apply_overrides
 from picotron.preflight import local_problems
 from picotron.presets import pretrained_weights, resolve_model
+from picotron.slurm import add_slurm_flags, slurm_problems, write_slurm_script
 
 # flag -> (section, key): picotron's spelling on the left, the config's names on the right.
 FLAG_KEYS = {
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set any config key (repeatable; README's config reference lists "
                         "them), the value read as JSON when it parses, e.g. --set "
                         "training.warmup_steps=10 --set dataset.tokenizer=gpt2")
+    add_slurm_flags(p)                 # --slurm --nodes --gpus_per_node ... (picotron/slurm.py)
     return p
 
 
@@ -150,6 +154,11 @@ def main(argv=None) -> str:
             raise ConfigError("this machine cannot find what the run will read (a config "
                               "for another machine: --skip_local_checks):\n  - "
                               + "\n  - ".join(problems))
+        d = config.distributed
+        problems = slurm_problems(args, config.world_size, d.tp_size, d.cp_size)
+        if problems:
+            raise ConfigError("the SLURM allocation does not fit the config:\n  - "
+                              + "\n  - ".join(problems))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -157,6 +166,9 @@ def main(argv=None) -> str:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")
     config.save(path)
+    if args.slurm:
+        script = write_slurm_script(args, path, args.exp_name, not config.distributed.use_cpu)
+        print(f"wrote {script}: submit it with `sbatch {script}`", file=sys.stderr)
     print(path)
     return path
 

@@ -27,7 +27,7 @@ from picotron.loss import build_loss
 from picotron.memory_plan import check_memory
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
-from picotron.process_group_manager import ProcessGroupManager
+from picotron.process_group_manager import ProcessGroupManager, check_nodes
 from picotron.run_report import describe_run, exit_with_error, record_launch, summary
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.step_log import StepLog
@@ -43,11 +43,16 @@ def setup(config_path, overrides=()):
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # on this machine
     config = load_config(config_path, world_size=world_size, overrides=overrides)
+    d = config.distributed     # more than one node: tp must not cross one (the network)
+    node_warning = check_nodes(d.tp_size, d.cp_size, local_world_size, world_size)
+    if node_warning and rank == 0:
+        print(node_warning, file=sys.stderr, flush=True)
     if config.distributed.use_cpu:
         device = torch.device("cpu")
         backend = "gloo"
-        set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # cores / processes here
+        set_cpu_threads(local_world_size)  # cores / processes here
     else:
         if not torch.cuda.is_available():
             raise ConfigError("distributed.use_cpu is false but no CUDA GPU is visible; "

@@ -21,7 +21,11 @@ call. Nothing here depends on N: the same command runs on 1, 2 or 8 GPUs.
    difference is the time the overlap hides. tp=2 runs on the 1.7B shape: 360M's 15 query and
    5 kv heads cannot be split over 2 ranks. ZeRO-3 (parameters sharded, each layer gathered
    around its use) runs on the 1.7B shape against ZeRO-1 on the same GPUs, at dp2 and at one
-   GPU (`--only zero`): tokens/s/GPU and peak memory per GPU.
+   GPU (`--only zero`): tokens/s/GPU and peak memory per GPU. dp2 also runs with the
+   gradients reduced in bf16 (distributed.grad_reduce_dtype) and at ZeRO-1/2; tp2 with
+   sequence parallelism and its collectives overlapped with the GEMMs
+   (distributed.tp_comm_overlap); "13B dp2" runs the Llama-2-13B shape at ZeRO-1 and ZeRO-3
+   (`--only 13B`). Each row prints memory_plan's estimate beside the measured peak.
 Everything goes to stdout and DIR/multi_gpu.txt; each run's metrics stay under DIR/runs.
 """
 import argparse
@@ -55,15 +59,32 @@ PARITY = [("dp2", 2, ["--dp", "2"]), ("tp2-sp", 2, ["--tp", "2", "--set",
           ("2x1x2x2", 8, ["--dp", "2", "--pp", "2", "--cp", "2"]),
           ("1x2x2x2", 8, ["--tp", "2", "--pp", "2", "--cp", "2"]),
           ("8x1x1x1", 8, ["--dp", "8", "--zero_stage", "1"])]
+LLAMA_13B = ["--set", "model.num_hidden_layers=40", "--set", "model.hidden_size=5120",
+             "--set", "model.intermediate_size=13824", "--set", "model.num_attention_heads=40",
+             "--set", "model.num_key_value_heads=40",
+             "--set", "training.activation_checkpointing=full",
+             "--set", "training.master_weights=true"]     # fp32 master and moments
 # (name, world size, model, micro-batch, seq, flags); world 1 rows are the baselines
 THROUGHPUT = [
     ("360M 1 GPU", 1, "SmolLM-360M", 16, 2048, []),
     ("360M dp2 overlap", 2, "SmolLM-360M", 16, 2048, ["--dp", "2"]),
     ("360M dp2 no overlap", 2, "SmolLM-360M", 16, 2048,
      ["--dp", "2", "--set", "distributed.overlap_grad_reduce=false"]),
+    # the gradients on the wire in bf16 (half the bytes; numbers within bf16's rounding), and
+    # ZeRO-1/2, whose updated shards are all-gathered under the next forward
+    ("360M dp2 bf16 reduce", 2, "SmolLM-360M", 16, 2048,
+     ["--dp", "2", "--set", "distributed.grad_reduce_dtype=bfloat16"]),
+    ("360M dp2 zero1", 2, "SmolLM-360M", 16, 2048, ["--dp", "2", "--zero_stage", "1"]),
+    ("360M dp2 zero2", 2, "SmolLM-360M", 16, 2048, ["--dp", "2", "--zero_stage", "2"]),
     # 360M's 15 query / 5 kv heads do not split over tp=2 (the config refuses it): tp2 on 1.7B
     ("1.7B 1 GPU", 1, "SmolLM-1.7B", 16, 2048, []),
     ("1.7B tp2", 2, "SmolLM-1.7B", 16, 2048, ["--tp", "2"]),
+    # sequence parallelism, then its all-gathers / reduce-scatters overlapped with the GEMMs
+    ("1.7B tp2 sp", 2, "SmolLM-1.7B", 16, 2048,
+     ["--tp", "2", "--set", "distributed.sequence_parallel=true"]),
+    ("1.7B tp2 overlap", 2, "SmolLM-1.7B", 16, 2048,
+     ["--tp", "2", "--set", "distributed.sequence_parallel=true",
+      "--set", "distributed.tp_comm_overlap=true"]),
     # ZeRO-3 (parameters sharded, gathered layer by layer) against ZeRO-1 on the same GPUs;
     # at one GPU ZeRO-3 shards nothing: its row shows what the gathers and fp32 shards cost
     ("1.7B 1 GPU zero1", 1, "SmolLM-1.7B", 16, 2048, ["--zero_stage", "1"]),
@@ -72,6 +93,10 @@ THROUGHPUT = [
     ("1.7B dp2 zero3", 2, "SmolLM-1.7B", 16, 2048, ["--dp", "2", "--zero_stage", "3"]),
     ("1.7B dp2 zero3 keep", 2, "SmolLM-1.7B", 16, 2048,
      ["--dp", "2", "--zero_stage", "3", "--set", "distributed.zero3_keep_params=true"]),
+    # A model ZeRO-1 cannot hold at dp2 (the Llama-2-13B shape, full recomputation): the
+    # estimate says ~146 GiB a GPU at ZeRO-1 and ~114 at ZeRO-3; the peak is measured beside it
+    ("13B dp2 zero1", 2, "Llama-2-7B", 1, 4096, ["--dp", "2", "--zero_stage", "1"] + LLAMA_13B),
+    ("13B dp2 zero3", 2, "Llama-2-7B", 1, 4096, ["--dp", "2", "--zero_stage", "3"] + LLAMA_13B),
     ("1.7B dp8 zero0", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "8"]),
     ("1.7B dp8 zero1", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "8", "--zero_stage", "1"]),
     ("1.7B dp4 tp2", 8, "SmolLM-1.7B", 16, 2048, ["--dp", "4", "--tp", "2"]),
@@ -98,6 +123,9 @@ def train(args, name, world, flags, timeout=900):
                                       + (["--use_cpu"] if args.cpu else []) + flags)
     except SystemExit:
         return "config refused (see the message above)"
+    from picotron.config import load_config
+    from picotron.memory_plan import GiB, estimate
+    estimate_gb = estimate(load_config(path, world)).device_bytes / GiB   # per GPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--config", path]
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -107,12 +135,16 @@ def train(args, name, world, flags, timeout=900):
     except subprocess.TimeoutExpired:
         return f"TIMEOUT after {timeout} s"
     if proc.returncode != 0:       # the ranks' own error lines, not torchrun's summary
+        with open(os.path.join(args.out, f"{name}.stderr.txt"), "w") as f:
+            f.write(proc.stderr)                  # the whole story, next to multi_gpu.txt
         errors = [ln for ln in proc.stderr.splitlines()
-                  if re.match(r"\[rank\d+\]: \w*(Error|Exception)\b", ln)]
-        return f"FAILED rc={proc.returncode}: " + (
+                  if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", ln)
+                  or ln.startswith("error")]
+        return f"FAILED rc={proc.returncode} (estimate {estimate_gb:.1f} GiB/GPU): " + (
             "\n".join(dict.fromkeys(errors)) or proc.stderr.strip()[-600:])
     with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:   # null: not finite
-        return [{**r, "loss": math.nan if r["loss"] is None else r["loss"]}
+        return [{**r, "loss": math.nan if r["loss"] is None else r["loss"],
+                 "estimate_gb": estimate_gb}
                 for r in map(json.loads, f) if "loss" in r]
 
 
@@ -129,7 +161,8 @@ def devices(args, n: int) -> str:
 
 def parity(args, emit):
     base = ["--model_name", "debug", "--total_train_steps", "20", "--seq_len", "64",
-            "--set", "training.warmup_steps=2", "--set", "checkpoint.save_frequency=0"]
+            "--set", "training.warmup_steps=2", "--set", "checkpoint.save_frequency=0",
+            "--set", "checkpoint.save_final=false"]
     for dtype in args.dtypes.split(","):
         flags = base + ["--set", f"training.dtype={dtype}"]
         ref = train(args, f"ref-{dtype}", 1, flags + ["--mbs", "2", "--grad_acc_steps", "8"])
@@ -166,7 +199,7 @@ def throughput(args, emit):
             else ["--set", f"training.fused_loss={args.fused_loss}"])
     per_gpu_1 = {}
     for name, world, model, mbs, seq, layout in THROUGHPUT:
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         if world > args.gpus:
             emit(f"{name:22s} skipped: needs {devices(args, world)}")
@@ -176,7 +209,8 @@ def throughput(args, emit):
         flags = ["--model_name", model, "--mbs", str(mbs), "--seq_len", str(seq),
                  "--dataset_name", "synthetic", "--total_train_steps", str(args.steps),
                  "--set", "training.dtype=bfloat16", "--set", "training.master_weights=false",
-                 "--set", "checkpoint.save_frequency=0"] + fast + layout
+                 "--set", "checkpoint.save_frequency=0",
+                 "--set", "checkpoint.save_final=false"] + fast + layout
         run = train(args, name.replace(" ", "_"), world, flags)
         if isinstance(run, str):
             emit(f"{name:22s} {run}")
@@ -190,7 +224,8 @@ def throughput(args, emit):
         scaling = tps / per_gpu_1[model] if model in per_gpu_1 else float("nan")
         per = "rank" if args.cpu else "GPU"
         emit(f"{name:22s} {devices(args, world)}  {tps:>9,.0f} tok/s/{per}  MFU "
-             f"{100 * mfu:5.1f}%  peak {peak:6.1f} GB/{per}  scaling efficiency {scaling:.2f}")
+             f"{100 * mfu:5.1f}%  peak {peak:6.1f} GB/{per} (estimate "
+             f"{steady[0]['estimate_gb']:.1f} GiB)  scaling efficiency {scaling:.2f}")
 
 
 def main():
@@ -208,7 +243,8 @@ def main():
     p.add_argument("--cpu", action="store_true", help="gloo CPU ranks instead of GPUs (a "
                    "dry run of the same code: the debug model, short sequences)")
     p.add_argument("--only", default="",
-                   help="throughput: only the rows whose name contains this, e.g. 1.7B")
+                   help="throughput: only the rows whose name contains one of these "
+                   "comma-separated strings, e.g. 1.7B or '360M 1 GPU,360M dp2'")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="parity: training.dtype values, comma-separated (default: %(default)s)")
     p.add_argument("--out", default=os.environ.get("OUT", "multi_gpu_out"), help="folder of "

@@ -15,7 +15,10 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "flash_attention_2", "eager")
 KERNELS = ("auto", "torch", "liger", "triton")
 FUSED_LOSSES = ("auto", "none", "chunked", "liger", "triton")
 CHECKPOINTING = ("auto", "none", "full", "selective")
-FP8 = ("none", "tensorwise", "rowwise")
+FP8 = ("none", "tensorwise", "rowwise", "rowwise_bf16_dw")
+# the gradients' dtype on the wire (picotron/data_parallel/buckets.py); float16 is not
+# offered: an unscaled gradient sum can leave its range, and bf16 moves as few bytes
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 # Settings a resume may change only when checkpoint.allow_changes lists them: each changes
 # which samples the run trains on (picotron/checkpoint_changes.py). The model's shape is not
 # among them: the weights would not fit.
@@ -48,6 +51,11 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
     elif d.zero3_keep_params:
         errors.append(f"distributed.zero3_keep_params applies to zero_stage=3 only (got "
                       f"zero_stage={d.zero_stage}); drop it or set zero_stage=3")
+    if d.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        errors.append(f"distributed.grad_reduce_dtype='{d.grad_reduce_dtype}' must be one of "
+                      f"{GRAD_REDUCE_DTYPES}: the dtype in which the gradients are summed over "
+                      f"the cp*dp ranks; 'float32' (the default) or 'bfloat16' (half the bytes, "
+                      f"each rank's gradient rounded to bf16 once)")
     if m.hidden_size % m.num_attention_heads:
         errors.append(f"model.hidden_size={m.hidden_size} is not divisible by "
                       f"num_attention_heads={m.num_attention_heads}")
@@ -79,6 +87,8 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
     if m.intermediate_size % d.tp_size:
         errors.append(f"model.intermediate_size={m.intermediate_size} is not divisible by "
                       f"tp_size={d.tp_size}")
+    if d.tp_comm_overlap:
+        errors += tp_overlap_problems(config)
     if m.num_hidden_layers < d.pp_size:
         errors.append(f"model.num_hidden_layers={m.num_hidden_layers} < pp_size={d.pp_size}: "
                       f"every pipeline stage needs at least one layer; lower pp_size")
@@ -230,7 +240,8 @@ def fp8_problems(config) -> list:
                         f"'{t.dtype}'; set training.dtype='bfloat16'")
     if t.cuda_graphs:
         problems.append("training.fp8 with training.cuda_graphs is not supported yet (the "
-                        "compiled FP8 casts were never captured in a graph); drop one")
+                        "FP8 weight cache decides on the host when to recast, which a "
+                        "replayed graph would skip); drop one")
     head_dim = m.hidden_size // m.num_attention_heads
     tokens = t.micro_batch_size * t.seq_length // d.cp_size
     sizes = {"hidden_size": m.hidden_size, "hidden_size/tp_size": m.hidden_size // d.tp_size,
@@ -242,6 +253,26 @@ def fp8_problems(config) -> list:
         problems.append(f"training.fp8 needs the projections' sizes on each rank to be "
                         f"multiples of 16 (FP8 GEMMs), but {', '.join(odd)}; change them or "
                         f"set training.fp8='none'")
+    return problems
+
+
+def tp_overlap_problems(config) -> list:
+    """distributed.tp_comm_overlap (picotron/tensor_parallel/overlap.py) cuts sequence
+    parallelism's collectives into rings along T. At tp_size 1 it does nothing, like
+    sequence_parallel itself, so one config serves every layout."""
+    d, m, t = config.distributed, config.model, config.training
+    problems = []
+    if not d.sequence_parallel:
+        problems.append("distributed.tp_comm_overlap overlaps sequence parallelism's all-gather "
+                        "and reduce-scatter along T with the GEMMs, but sequence_parallel is "
+                        "false; set sequence_parallel=true or tp_comm_overlap=false")
+    if m.kernels == "liger":
+        problems.append("distributed.tp_comm_overlap runs the blocks' projections as its own "
+                        "ring GEMMs, which model.kernels='liger' lacks; use 'triton' or 'torch'")
+    if t.fp8 != "none":
+        problems.append(f"distributed.tp_comm_overlap's ring GEMMs run in the model dtype: "
+                        f"training.fp8='{t.fp8}' would not apply to them; set "
+                        f"training.fp8='none' or tp_comm_overlap=false")
     return problems
 
 

@@ -24,8 +24,14 @@ class DistributedConfig:
     bucket_size_mb: float = 25.0     # gradient bucket size for the overlapped all-reduce
     overlap_grad_reduce: bool = True  # start each bucket's reduction during backward (false:
                                       # all of them after backward; for measuring the overlap)
+    overlap_param_gather: bool = True  # ZeRO-1/2: each block waits for its own parameters'
+                                       # all-gather in the next forward (false: all at once)
+    grad_reduce_dtype: str = "float32"  # the gradients' dtype on the wire (their cp_dp sum):
+                                        # float32 | bfloat16 (half the bytes, rounded once)
     offload_optim_frac: float = 0.0  # fraction of optimizer state kept and stepped on the CPU
     sequence_parallel: bool = False  # with tp: shard norms/residuals along T (Korthikanti 22)
+    tp_comm_overlap: bool = False    # with sequence_parallel: each block's all-gather and
+                                     # reduce-scatter as rings overlapped with its GEMMs
     timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run
     # a rank silent this long is dead or frozen: every other rank stops, naming it
     # (picotron/watchdog.py); far below timeout_s, above any pause of a healthy process
@@ -102,8 +108,9 @@ class TrainingConfig:
     activation_checkpointing_layers: Optional[int] = None
     compile: bool = False              # torch.compile each decoder layer
     cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
-    # none | tensorwise | rowwise: the decoder layers' projection GEMMs in FP8, one scale per
-    # tensor or per row (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only
+    # none | tensorwise | rowwise | rowwise_bf16_dw: the decoder layers' projection GEMMs in
+    # FP8, one scale per tensor or per row, the last with the weight-gradient GEMM in bf16
+    # (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only
     fp8: str = "none"
 
 

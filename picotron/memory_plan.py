@@ -71,9 +71,12 @@ def state_rows(config, params: Params) -> list:
     on_host = d.offload_optim_frac * shard             # buckets stepped on the CPU
     on_device = shard - on_host
     # data_parallel/buckets.py `gradient_dtype`: fp32 when anything is summed into the buffer
-    # (micro-batches, cp*dp ranks), else the parameters' dtype (partial sums: tiny buckets)
-    summed = t.gradient_accumulation_steps > 1 or d.cp_size * d.dp_size > 1
-    g = 4 if summed or d.zero_stage == 3 else b
+    # (micro-batches, cp*dp ranks in fp32), else the parameters' dtype (partial sums: tiny
+    # buckets). A bf16 reduction of an fp32 (or fp16) buffer goes through a bf16 copy of it.
+    ranks, bf16_wire = d.cp_size * d.dp_size, d.grad_reduce_dtype == "bfloat16"
+    summed = t.gradient_accumulation_steps > 1 or (ranks > 1 and not bf16_wire)
+    g = 4 if summed or (d.zero_stage == 3 and not bf16_wire) else b
+    cast = ranks > 1 and bf16_wire and (g == 4 or t.dtype == "float16")
     grads_when = "held" if t.gradient_accumulation_steps > 1 else "step"
     master = 4 if t.dtype != "float32" and t.master_weights else 0
     moment = 4 if t.dtype == "float32" or t.master_weights else b     # the master's dtype
@@ -87,9 +90,10 @@ def state_rows(config, params: Params) -> list:
                 Row("gathered weights", gathered * b, "held",
                     "every layer (zero3_keep_params)" if keep else
                     "the embedding and head, the layer in use and the next one"), adamw,
-                Row("gradient shards", shard * 4, grads_when, f"{shard:,.0f} x 4 B"),
-                Row("whole gradients in flight", 2 * params.layer * 4, "step",
-                    "two layers' fp32 gradients (one reduce-scattering)")]
+                Row("gradient shards", shard * g, grads_when, f"{shard:,.0f} x {g} B"),
+                Row("whole gradients in flight", params.layer * (2 * g + 2 * cast), "step",
+                    f"two layers' gradients in {g} B (one reduce-scattering"
+                    + (", with its 2 B bf16 copy)" if cast else ")"))]
     else:
         # allocated at a step's first gradient, freed after the step; under accumulation they
         # live through the forwards of the later micro-batches too
@@ -97,6 +101,9 @@ def state_rows(config, params: Params) -> list:
                 Row("gradient buffers", numel * g, grads_when, f"{numel:,} x {g} B")]
         if d.zero_stage == 2 and shards > 1:
             rows.append(Row("ZeRO-2 gradient shard", shard * g, "step", f"{shard:,.0f} x {g} B"))
+        if cast:           # every bucket's bf16 copy (and ZeRO-2 shard) until the last wait
+            wire = numel + (shard if d.zero_stage == 2 else 0)
+            rows.append(Row("bf16 gradients on the wire", wire * 2, "step", f"{wire:,.0f} x 2 B"))
     # torch's foreach AdamW (the reference: on CPU, or without use_fused_adam) makes one
     # temporary of the moments' dtype (the second moment's sqrt), holds each gradient as a
     # copy in the master's dtype unless it already is one, and the gradient norm squares one
@@ -109,6 +116,11 @@ def state_rows(config, params: Params) -> list:
                     max(temp, params.largest * b), "step",
                     f"max(AdamW temporaries {temp / GiB:.2f} GiB, the largest parameter's "
                     f"gradient before its bucket takes it {params.largest:,} x {b} B)"))
+    if t.fp8 != "none":     # speed/fp8_weights.py: every projection's W and W^T in FP8, kept
+        layers = (params.total - params.root) // params.layer
+        norms = (1 if config.model.parallel_residual else 2) * config.model.hidden_size
+        proj = layers * (params.layer - norms)
+        rows.append(Row("FP8 weight copies", proj * 2, "held", f"{proj:,} x 2 B (W, W^T)"))
     if on_host:
         rows.append(Row("CPU-offloaded AdamW state", on_host * 20, "host",
                         f"{on_host:,.0f} x (12 B fp32 master + moments, 4 B gradient copy, "

@@ -14,12 +14,19 @@ an axis are the ranks that differ from it only in that coordinate.
 
 The pure functions below compute the grid with no process group at all (the tests check every
 factorisation of 1..8 against them); `ProcessGroupManager` builds the real groups from them.
+
+On several machines torchrun numbers each node's processes consecutively (node i holds ranks
+[i*G, (i+1)*G) for G processes per node), so a group of consecutive ranks stays on one node
+when its size divides G: `check_nodes` says which groups would cross the network.
 """
 import datetime
 import itertools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from picotron.errors import ConfigError
 
 AXES = ("dp", "pp", "cp", "tp")   # slowest to fastest
 
@@ -118,6 +125,33 @@ class ProcessGroupManager:
         return (f"rank {self.global_rank}/{self.world_size}: dp {self.dp_rank}/{self.dp_size} "
                 f"pp {self.pp_rank}/{self.pp_size} cp {self.cp_rank}/{self.cp_size} "
                 f"tp {self.tp_rank}/{self.tp_size}")
+
+
+def check_nodes(tp: int, cp: int, ranks_per_node: int, world_size: int) -> Optional[str]:
+    """Refuse a tensor-parallel group that would span two nodes; warn about a context ring that
+    would. Returns the warning (one line) or None.
+
+    A tp group is tp consecutive ranks and talks twice per layer, forward and backward
+    (Megatron's all-reduces): over the network instead of NVLink it would stall every layer,
+    so it must sit inside a node, i.e. tp divides the processes per node. A cp ring spans
+    cp*tp consecutive ranks (cp varies next after tp) and passes key/value blocks once per
+    attention step: across nodes it is slower but correct. One node (ranks_per_node >=
+    world_size) has nothing to check."""
+    if ranks_per_node >= world_size:
+        return None
+    if ranks_per_node % tp:
+        fits = [t for t in range(1, ranks_per_node + 1) if ranks_per_node % t == 0 and t < tp]
+        raise ConfigError(
+            f"tp_size={tp} does not divide the {ranks_per_node} processes (GPUs) per node, so a "
+            f"tensor-parallel group would span two nodes and all-reduce over the network in "
+            f"every layer; use a tp_size that divides {ranks_per_node} (e.g. {fits[-1]}, with "
+            f"dp/pp/cp taking the rest), or put a multiple of {tp} GPUs on each node (torchrun's "
+            f"--nproc_per_node, create_config's --gpus_per_node)")
+    if cp > 1 and ranks_per_node % (cp * tp):
+        return (f"warning: a context-parallel ring (cp_size*tp_size = {cp}*{tp} = {cp * tp} "
+                f"consecutive ranks) spans more than one node of {ranks_per_node} processes: "
+                f"ring attention will pass its blocks over the network (correct, but slower)")
+    return None
 
 
 def factorisations(world: int):

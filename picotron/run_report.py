@@ -84,14 +84,18 @@ def exit_with_error(error: Exception, same_on_every_rank: bool) -> None:
     torchrun's error file (TORCHELASTIC_ERROR_FILE), so the report torchrun prints at the end
     names it as the root cause instead of "To enable traceback...". An error that every rank
     meets alike (a config read from the same file) ends the other ranks quietly with status
-    0, so torchrun lists one failure, not one per rank; any other error is theirs to report."""
+    0, so torchrun lists one failure, not one per rank; any other error is theirs to report.
+    On several nodes the first rank of every node speaks for its node (LOCAL_RANK 0): a node
+    whose ranks all exited 0 would wait in torchrun's exit barrier for the failed node
+    (minutes) instead of ending at once."""
     rank = int(os.environ.get("RANK", 0))
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0    # rank 0 on one node
     message = f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}"
     launched = "TORCHELASTIC_ERROR_FILE" in os.environ
-    if rank == 0 or not (same_on_every_rank or launched):
+    if first_on_node or not (same_on_every_rank or launched):
         print(message, file=sys.stderr, flush=True)
-    if rank == 0 or not same_on_every_rank:
+    if first_on_node or not same_on_every_rank:
         tell_launcher(message)
-    if rank != 0 and same_on_every_rank:
+    if not first_on_node and same_on_every_rank:
         sys.exit(0)
     sys.exit(2)

@@ -10,10 +10,27 @@ is a view into them:
 
 (the gradient buffer exists from a step's first gradient until zero_grad() after the step).
 The buffer is fp32 whenever anything is ever added into it: micro-batches, the average over
-cp_dp ranks, partial sums over TP or PP (`grad_sum_group`). Otherwise (one micro-batch, one
-cp_dp rank) it receives each gradient exactly once, in the parameter dtype, and an fp32 copy
-would hold no more information: it then keeps the parameter dtype (half the bytes to copy,
-hold and read in bf16); the optimizer computes in fp32 either way.
+cp_dp ranks (in fp32, the default `grad_reduce_dtype`), partial sums over TP or PP
+(`grad_sum_group`). Otherwise (one micro-batch, one cp_dp rank or a bf16 reduction) it
+receives each gradient exactly once, in the parameter dtype, and an fp32 copy would hold no
+more information: it then keeps the parameter dtype (half the bytes to copy, hold and read in
+bf16); the optimizer computes in fp32 either way.
+
+`distributed.grad_reduce_dtype` is the dtype of the cp_dp reduction on the wire. "float32"
+(the default) sums in fp32. "bfloat16" moves half the bytes: when the buffer is bf16 (bf16
+parameters, one micro-batch, no partial sums) it is reduced in place, with no fp32 copy at all;
+otherwise (an fp32 buffer that accumulates micro-batches or partial sums; fp32 or fp16
+parameters) the reduction casts the buffer to a bf16 communication buffer (`bucket.wire`),
+reduces that and writes the result back into the buffer's dtype (ZeRO-2: reduce-scatters into
+a bf16 shard, then converts the shard). fp32 parameters are not refused: the bytes on the wire
+are the cost being cut (as PyTorch DDP's bf16 compression hook does for fp32 models), whatever
+the weights' dtype. Numerically, each rank's gradient (already divided by cp_dp) is rounded to
+bf16 once before the sum, and the sum itself is done in bf16 (NCCL's ring, like gloo, adds in
+the wire dtype: one more rounding per addition), so the averaged gradient differs from the
+fp32 path by about bf16's rounding (2^-8 relative per rounding), not by a systematic bias; the
+optimizer still computes in fp32.
+Partial sums over `grad_sum_group` stay in the buffer's dtype. At cp_dp = 1 nothing is reduced
+and the setting changes nothing.
 
 A hook after each parameter's gradient is accumulated adds it into `main_grad` (fp32, so bf16
 and fp16 models accumulate micro-batches exactly; the step's first gradient is copied, which
@@ -39,7 +56,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from picotron.comm import all_gather_single, reduce_scatter_single
+from picotron.comm import reduce_scatter_single
+from picotron.data_parallel.param_gather import ParamGather
 
 
 class Bucket:
@@ -52,6 +70,7 @@ class Bucket:
         self.grads = None                                    # allocated lazily, see grad_buffer
         self.grad_dtype = grad_dtype
         self.grad_shard = None                               # zero_stage 2: the owned sum
+        self.wire, self.wire_shard = None, None              # what is reduced: see _launch
         self.ready, self.work, self.launched = 0, None, False
         p0 = params[0]
         self.weight_decay = p0.dim() >= 2
@@ -101,8 +120,9 @@ def bucket_key(p):
 
 
 def gradient_dtype(params, summed: bool):
-    """fp32 when anything is added into the buffer (micro-batches or ranks: `summed`; partial
-    sums: a grad_sum_group); otherwise the parameters' own dtype, which loses nothing."""
+    """fp32 when anything is added into the buffer in fp32 (micro-batches, or ranks with an
+    fp32 reduction: `summed`; partial sums: a grad_sum_group); otherwise the parameters' own
+    dtype, which loses nothing."""
     partial = getattr(params[0], "grad_sum_group", None) is not None   # same for the bucket
     return torch.float32 if summed or partial else params[0].dtype
 
@@ -112,6 +132,7 @@ class GradBuckets:
         d = config.distributed
         self.pgm, self.zero_stage, self.overlap = pgm, d.zero_stage, d.overlap_grad_reduce
         self.group, self.size = pgm.cp_dp_group, pgm.cp_dp_size
+        self.wire_dtype = getattr(torch, d.grad_reduce_dtype)      # the reduction's dtype
         self.shards = self.size if d.zero_stage >= 1 else 1
         self.shard_index = pgm.cp_dp_rank if d.zero_stage >= 1 else 0
         params = [p for p in model.parameters() if p.requires_grad]
@@ -124,10 +145,16 @@ class GradBuckets:
             if sum(q.numel() for q in current[key]) >= limit:
                 groups.append(current.pop(key))
         groups += list(current.values())
-        summed = config.training.gradient_accumulation_steps > 1 or self.size > 1
+        # a bf16 reduction adds nothing into the buffer itself: it is cast (or is bf16)
+        summed = config.training.gradient_accumulation_steps > 1 or (
+            self.size > 1 and self.wire_dtype == torch.float32)
         self.buckets = [Bucket(g, params[0].dtype, params[0].device, self.shards,
                                gradient_dtype(g, summed)) for g in groups]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.members}
+        # ZeRO >= 1: the updated shards gathered again, each block waiting for its own
+        self.gather = ParamGather(model, self.buckets, self.bucket_of, self.group,
+                                  self.shard_index, d.overlap_param_gather
+                                  and not config.training.cuda_graphs) if self.shards > 1 else None
         # per step: fresh (params whose main_grad is not yet written), launch_log (bucket
         # index, gradients ready so far: overlap evidence), _ready_total, _sync
         self.zero_grad()
@@ -172,7 +199,7 @@ class GradBuckets:
         next step is copied into a new buffer (_on_grad_ready), finish() zeroes the rest."""
         self.fresh = {id(p) for b in self.buckets for p in b.members}
         for b in self.buckets:
-            b.grads, b.grad_shard = None, None
+            b.grads, b.grad_shard, b.wire, b.wire_shard = None, None, None, None
             for p in b.members:
                 p.main_grad = None
             b.ready, b.work, b.launched = 0, None, False
@@ -196,7 +223,9 @@ class GradBuckets:
 
     def _launch(self, bucket):
         """Start the bucket's reduction: an average over cp_dp (each rank's loss is the mean
-        over its share of the tokens, so the mean of the gradients is the global gradient)."""
+        over its share of the tokens, so the mean of the gradients is the global gradient).
+        What goes on the wire, `bucket.wire`, is the buffer itself when it already has
+        grad_reduce_dtype, else a copy cast to it, written back by finish()."""
         self.launch_log.append((self.buckets.index(bucket), self._ready_total))
         bucket.launched = True
         grads = bucket.grad_buffer()
@@ -205,18 +234,22 @@ class GradBuckets:
         if self.size == 1:
             return
         grads.div_(self.size)
+        bucket.wire = grads.to(self.wire_dtype)     # `grads` itself when the dtypes agree
         if self.zero_stage == 2:
-            bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=grads.dtype,
+            bucket.wire_shard = torch.empty(bucket.shard_numel, dtype=self.wire_dtype,
                                             device=grads.device)
-            bucket.work = reduce_scatter_single(bucket.grad_shard, grads,
-                                                     group=self.group, async_op=True)
+            bucket.work = reduce_scatter_single(bucket.wire_shard, bucket.wire,
+                                                group=self.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(grads, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
 
     def finish(self):
         """Wait for every reduction. Buckets whose reduction never started (gradient
         accumulation without sync, or a parameter that got no gradient) start now, in bucket
-        order, which is the same on every rank."""
+        order, which is the same on every rank. A parameter gather that no forward waited for
+        is waited for here, before the optimizer writes the shards again."""
+        if self.gather is not None:
+            self.gather.wait()
         for b in self.buckets:
             if not b.launched:
                 for p in b.members:
@@ -229,9 +262,14 @@ class GradBuckets:
                 b.work.wait()
                 b.work = None
             if self.zero_stage == 2 and self.size > 1:
+                # in the buffer's dtype (fp32 when it accumulates): a no-op when they agree
+                b.grad_shard = b.wire_shard.to(b.grads.dtype)
                 b.grads = None           # only the owned shard survives until the next step
                 for p in b.members:
                     p.main_grad = None
+            elif b.wire is not None and b.wire is not b.grads:
+                b.grads.copy_(b.wire)    # the bf16 sum back into the fp32 buffer
+            b.wire, b.wire_shard = None, None
 
     def grad_shard(self, bucket):
         """This rank's share of the bucket's averaged gradient."""
@@ -245,13 +283,14 @@ class GradBuckets:
         return bucket.params[start:start + bucket.shard_numel]
 
     def full_parameters(self, write_back: bool = False):
-        """Every parameter is whole here at all times (ZeRO-3's ShardedParams gathers them
-        for a checkpoint's save or load inside this block)."""
+        """Every parameter is whole here once the last step's gathers are in (ZeRO-3's
+        ShardedParams gathers them for a checkpoint's save or load inside this block)."""
+        if self.gather is not None:
+            self.gather.wait()
         return contextlib.nullcontext()
 
     def all_gather_params(self):
-        """After each rank updated its shard: every rank gets every shard (ZeRO >= 1)."""
-        if self.shards == 1:
-            return
-        for b in self.buckets:
-            all_gather_single(b.params, self.param_shard(b).clone(), group=self.group)
+        """After each rank updated its shard: every rank gets every shard (ZeRO >= 1),
+        waited for block by block in the next forward (param_gather.py)."""
+        if self.gather is not None:
+            self.gather.start()

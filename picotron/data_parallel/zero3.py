@@ -51,6 +51,12 @@ parallelism, a tied embedding split across pipeline stages) keeps its whole grad
 finish(), where the sum happens, as in GradBuckets. For checkpoints, `full_parameters()`
 gathers every unit for the duration of a save or a load.
 
+`distributed.grad_reduce_dtype` works as in GradBuckets (buckets.py says what it changes
+numerically). With "bfloat16", one micro-batch and no partial sums, the whole gradient buffer
+and the shard keep the parameters' dtype and are reduce-scattered in place; otherwise the fp32
+buffer is cast to a bf16 copy for the reduce-scatter, and the bf16 shard sum is added into
+the fp32 shard accumulator.
+
 The optimizer (DistributedAdamW, TritonAdamW) sees the same interface as GradBuckets: buckets,
 `grad_shard`, `param_shard`, `all_gather_params` (here: free whatever is gathered, now stale).
 """
@@ -61,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from picotron.comm import all_gather_single, reduce_scatter_single
+from picotron.data_parallel.buckets import gradient_dtype
 from picotron.data_parallel.zero3_layout import shard_model
 
 
@@ -91,6 +98,12 @@ class ShardedParams:
         self._sync, self.in_flight = False, None
         self.units = shard_model(model, config, device, self.shards, self.shard_index)
         self.buckets = [b for u in reversed(self.units) for b in u.buckets]
+        # the whole buffer's and the shard accumulator's dtype: fp32, unless a bf16 reduction
+        # of one micro-batch adds nothing into them (partial sums still do: gradient_dtype)
+        self.wire_dtype = getattr(torch, d.grad_reduce_dtype)
+        acc = config.training.gradient_accumulation_steps
+        for b in self.buckets:
+            b.grad_dtype = gradient_dtype(b.members, self.wire_dtype == torch.float32 or acc > 1)
         self.unit_of = {id(p): (u, b) for u in self.units for b in u.buckets for p in b.members}
         self._install_hooks(model)
 
@@ -190,11 +203,11 @@ class ShardedParams:
 
     def _on_grad_ready(self, p):
         """p's gradient of this backward (its post-accumulate hook) goes into the bucket's
-        whole fp32 gradient; the bucket's last one starts its reduce-scatter, the unit's last
+        whole gradient buffer; the bucket's last one starts its reduce-scatter, the unit's last
         one ends the unit's backward: its parameters are freed."""
         unit, b = self.unit_of[id(p)]
         if b.grads is None:
-            b.grads = torch.empty(b.numel, dtype=torch.float32, device=b.shard.device)
+            b.grads = torch.empty(b.numel, dtype=b.grad_dtype, device=b.shard.device)
             b.grads[b.offsets[-1] + b.members[-1].numel():].zero_()      # the padding
         offset = b.offset_of[id(p)]
         view = b.grads[offset:offset + p.numel()].view_as(p)
@@ -221,9 +234,10 @@ class ShardedParams:
             self._accumulate(b, grads)
             return
         grads.div_(self.size)
-        out = torch.empty(b.shard_numel, dtype=torch.float32, device=grads.device)
-        work = reduce_scatter_single(out, grads, group=self.group, async_op=True)
-        self.in_flight = (b, out, grads, work)
+        wire = grads.to(self.wire_dtype)            # `grads` itself when the dtypes agree
+        out = torch.empty(b.shard_numel, dtype=self.wire_dtype, device=grads.device)
+        work = reduce_scatter_single(out, wire, group=self.group, async_op=True)
+        self.in_flight = (b, out, wire, work)
         if not self.overlap:
             self._drain()
 
@@ -239,7 +253,7 @@ class ShardedParams:
     @staticmethod
     def _accumulate(b, shard_sum):
         if b.grad_shard is None:
-            b.grad_shard = shard_sum
+            b.grad_shard = shard_sum.to(b.grad_dtype)       # itself when the dtypes agree
         else:
             b.grad_shard.add_(shard_sum)
 

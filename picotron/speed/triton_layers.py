@@ -11,6 +11,10 @@ differs (speed/kernels.py swaps each module's class for its subclass here).
                                      (triton_swiglu.py); with `recompute_swiglu` (activation
                                      checkpointing "selective") the SwiGLU and the down
                                      projection are one op that keeps gu, not the SwiGLU output
+    TritonOverlapAttention, -MLP     distributed.tp_comm_overlap: the same, their fused
+                                     projections run as the ring GEMMs of
+                                     tensor_parallel/overlap.py on this rank's chunk of T;
+                                     "selective" is RingSwiGLULinear, the ring's swiglu_linear
 
 The projections stay separate named parameters (checkpoints and tensor-parallel shards are laid
 out by them); their weights are concatenated at run time, or taken as a view of the gradient
@@ -18,11 +22,16 @@ buckets' flat buffer when they lie back to back there (fused_linear.stacked). Un
 parallelism each rank concatenates its own column shards, which are exactly its heads' q, k, v
 rows and its slice of gate and up. What fusing buys is measured in bench/NOTES.md.
 """
+import torch
+
 from picotron.model import Attention, LayerNorm, MLP, RMSNorm
-from picotron.speed.fused_linear import fused_linear
+from picotron.speed.fused_linear import fused_linear, stacked
 from picotron.speed.triton_norms import layer_norm, rms_norm
 from picotron.speed.triton_rope import qkv_rope
-from picotron.speed.triton_swiglu import swiglu_linear, swiglu_packed
+from picotron.speed.triton_swiglu import (_may_overwrite, _rows, _swiglu_backward,
+                                          _swiglu_forward, swiglu_linear, swiglu_packed)
+from picotron.tensor_parallel.overlap import (OverlapAttention, OverlapMLP, gather_matmul,
+                                              matmul_reduce_scatter, ring_column_linear)
 
 
 class TritonRMSNorm(RMSNorm):
@@ -41,10 +50,10 @@ class TritonAttention(Attention):
         return fused_linear(x, weights)
 
     def forward(self, x, cos, sin, position_ids):
-        B, T, _ = x.shape
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         heads, kv_heads = (w.shape[0] // self.head_dim for w in weights[:2])   # this rank's
         qkv = self.project(x, weights)                              # (B, T, (H + 2K) * D)
+        B, T, _ = qkv.shape           # all T tokens, even where x is a chunk (tp_comm_overlap)
         q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)          # (B, H|K, T, D), rotated
         out = self.attention_fn(q, k, v, position_ids)                          # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))              # (B, T, C)
@@ -64,5 +73,51 @@ class TritonMLP(MLP):
         return y if reduce is None else reduce(y)
 
 
+class TritonOverlapAttention(TritonAttention):
+    """distributed.tp_comm_overlap: x is this rank's chunk (B, T/tp, C) and q, k, v come out of
+    the ring all-gather + GEMM (tensor_parallel/overlap.py) on the weights `stacked` as above."""
+    def project(self, x, weights):
+        return ring_column_linear(x, weights, self.tp_group, stack=stacked)
+
+
+class TritonOverlapMLP(TritonMLP):
+    """Gate and up in one ring, as TritonOverlapAttention; with `recompute_swiglu`, the SwiGLU
+    and the down projection as RingSwiGLULinear."""
+    project = TritonOverlapAttention.project
+
+    def forward(self, x):
+        if not self.recompute_swiglu:
+            return super().forward(x)       # the down projection is a RingRowParallelLinear
+        gu = self.project(x, [self.gate_proj.weight, self.up_proj.weight])     # (B, T, 2I)
+        return RingSwiGLULinear.apply(gu, self.down_proj.weight, self.tp_group)  # (B, T/tp, C)
+
+
+class RingSwiGLULinear(torch.autograd.Function):
+    """triton_swiglu.SwiGLULinear (keeps gu and W, not h) with the row-parallel GEMM and its
+    reduce-scatter along T as overlap.py's ring: gu (B, T, 2I) -> y (B, T/tp, O). Backward
+    gathers dy by the ring, computing dh = dy W chunk by chunk, then as SwiGLULinear: one
+    kernel writes d(gu) (over gu when allowed) and h over dh, and dW = dy^T h."""
+
+    @staticmethod
+    def forward(ctx, gu, weight, group):
+        ctx.inplace, ctx.group = _may_overwrite(gu), group
+        h = _swiglu_forward(_rows(gu))                  # (N, I), freed when forward returns
+        ctx.save_for_backward(gu, weight)
+        return matmul_reduce_scatter(h.view(*gu.shape[:-1], -1), weight.t(), group)
+
+    @staticmethod
+    def backward(ctx, dy):                                              # (B, T/tp, O)
+        gu, weight = ctx.saved_tensors
+        dh, dy_full = gather_matmul(dy.contiguous(), weight, ctx.group)  # (B, T, I), (B, T, O)
+        gu2, dh2 = _rows(gu), _rows(dh)
+        dgu2 = gu2 if ctx.inplace else torch.empty_like(gu2)
+        _swiglu_backward(dh2, gu2, dgu2, store_h=True)                  # h written over dh
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(gu)
+        dw = _rows(dy_full).t() @ dh2                                   # (O, N) @ (N, I)
+        return dgu2.detach().view(gu.shape), dw, None
+
+
 FAST_CLASSES = {RMSNorm: TritonRMSNorm, LayerNorm: TritonLayerNorm, Attention: TritonAttention,
-                MLP: TritonMLP}
+                MLP: TritonMLP, OverlapAttention: TritonOverlapAttention,
+                OverlapMLP: TritonOverlapMLP}

@@ -17,7 +17,9 @@ block, gate and up as well) share one backward all-reduce: per layer 2 all-reduc
 Under sequence parallelism everything outside the blocks (residual stream, norms) holds
 (B, T/tp, C): f becomes an all-gather along T, g a reduce-scatter, and the norm weights see
 only their chunk of the sequence, so their gradients are summed over TP in the data-parallel
-gradient buckets (they are marked with `grad_sum_group`).
+gradient buckets (they are marked with `grad_sum_group`). With `distributed.tp_comm_overlap`
+each block's all-gather and reduce-scatter run as rings interleaved with its GEMMs
+(overlap.py): same numbers, the transfers hidden behind the compute on a GPU.
 
 The embedding is split by vocabulary rows, the head by vocabulary columns; the logits stay
 sharded and the loss is taken from them (picotron/loss.py, vocab-parallel cross-entropy). With tied embeddings
@@ -32,17 +34,20 @@ import torch
 from picotron.tensor_parallel.comms import enter_tp
 from picotron.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, VocabParallelHead)
+from picotron.tensor_parallel.overlap import apply_comm_overlap
 
 # The plan: (module path, style). "*" is any layer index. Norms marked "enter" get f (or the
-# SP all-gather) on their output, the one entry into the sharded block that follows them.
+# SP all-gather) on their output, the one entry into the sharded block that follows them;
+# "enter_block" likewise, except under distributed.tp_comm_overlap, where the attention or
+# MLP block that follows gathers its input itself, in a ring overlapped with its GEMMs.
 TP_PLAN = (
     ("embed_tokens",                      "vocab_embedding"),   # (V/tp, C) rows, then g
-    ("layers.*.input_layernorm",          "enter"),
+    ("layers.*.input_layernorm",          "enter_block"),
     ("layers.*.self_attn.q_proj",         "colwise"),           # C -> H/tp * D
     ("layers.*.self_attn.k_proj",         "colwise"),           # C -> K/tp * D
     ("layers.*.self_attn.v_proj",         "colwise"),           # C -> K/tp * D
     ("layers.*.self_attn.o_proj",         "rowwise"),           # H/tp * D -> C, then g
-    ("layers.*.post_attention_layernorm", "enter"),             # absent in PaLM-style layers
+    ("layers.*.post_attention_layernorm", "enter_block"),       # absent in PaLM-style layers
     ("layers.*.mlp.gate_proj",            "colwise"),           # C -> I/tp
     ("layers.*.mlp.up_proj",              "colwise"),           # C -> I/tp
     ("layers.*.mlp.down_proj",            "rowwise"),           # I/tp -> C, then g
@@ -51,10 +56,12 @@ TP_PLAN = (
 )
 
 
-def _shard(style: str, module, pgm, sequence_parallel: bool):
+def _shard(style: str, module, pgm, sequence_parallel: bool, overlap: bool):
     """The module that replaces `module` under `style` (declared on the same device: meta)."""
     rank, size, group = pgm.tp_rank, pgm.tp_size, pgm.tp_group
-    if style == "enter":        # the norm stays; its output enters the sharded block
+    if style == "enter_block" and overlap:      # stays (B, T/tp, C): the block's ring gathers
+        return module
+    if style in ("enter", "enter_block"):   # the norm stays; its output enters the sharded block
         module.register_forward_hook(partial(_enter_after_norm, group=group,
                                              sequence_parallel=sequence_parallel))
         return module
@@ -85,15 +92,17 @@ def apply_tensor_parallel(model, pgm, config):
     `full_shape` and `local_slice`, so it is initialised as its slice of the full tensor."""
     if pgm.tp_size == 1:
         return model
-    sp = config.distributed.sequence_parallel
+    sp, overlap = config.distributed.sequence_parallel, config.distributed.tp_comm_overlap
     for name, module in list(model.named_modules()):
         style = next((s for pattern, s in TP_PLAN if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None:
             continue
         parent_name, _, child = name.rpartition(".")
         with torch.device(next(module.parameters()).device):
-            new = _shard(style, module, pgm, sp)
+            new = _shard(style, module, pgm, sp, overlap)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if overlap:
+        apply_comm_overlap(model, pgm.tp_group)      # the blocks' ring versions (overlap.py)
     if config.model.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight     # one (V/tp, C) shard, two uses
     if sp:
