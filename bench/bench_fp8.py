@@ -2,25 +2,37 @@
 
     python bench/bench_fp8.py gemms [--shapes SmolLM-360M,SmolLM-1.7B] [--mbs 16] [--seq 2048]
     python bench/bench_fp8.py steps [--shapes SmolLM-360M,SmolLM-1.7B] [--rows LABELS]
+e.g. the new casts against the previous ones at 1.7B, in one call (the --rows value on one line):
+    python bench/bench_fp8.py gemms --shapes SmolLM-1.7B
+    python bench/bench_fp8.py steps --shapes SmolLM-1.7B --rows "ours defaults,ours fp8
+        tensorwise,ours fp8 tensorwise compiled casts,ours fp8 rowwise,ours fp8 rowwise
+        compiled casts,ours fp8 rowwise_bf16_dw,hf+liger"
 
 gemms: one decoder layer's projections (fused q/k/v, o, fused gate/up, down) at micro-batch x
-seq tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs:
-- bf16: fused_linear / F.linear, the path model.kernels=triton runs;
-- fp8 tensorwise / rowwise: picotron.speed.fp8.fp8_linear as training runs it (compiled casts);
-- the same with the casts as written, eager op by op (what compiling them buys);
-- fp8 GEMMs alone: operands quantized once outside the timing (the ceiling, no cast at all).
+seq tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs, for each
+recipe (tensorwise, rowwise, rowwise_bf16_dw) against bf16 (fused_linear / F.linear, the path
+model.kernels=triton runs), in columns (`--variants` picks some):
+- "cached": fp8_linear as training runs it: our cast kernels (fp8_cast.py), the weights' FP8
+  copies from a warm Fp8WeightCache (every micro-batch but a step's first);
+- "per use": our cast kernels, the weights cast at every use (a step's first micro-batch);
+- "compiled": the casts as before our kernels: fp8_quantize's reference amax and cast, each
+  torch.compile'd, the weights cast at every use;
+- "eager": the reference casts op by op;
+- "alone": the FP8 GEMMs on operands quantized once outside the timing (the ceiling).
 steps: train.py's build_training and train_step (bench_speed.py's runner and timing: seq 2048,
 micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its own process:
   "ours defaults"                  bf16, the GPU defaults (kernels triton, our loss, selective)
   "ours fp8 tensorwise"            the defaults with training.fp8=tensorwise
   "ours fp8 rowwise"               the defaults with training.fp8=rowwise
+  "ours fp8 rowwise_bf16_dw"       the defaults with training.fp8=rowwise_bf16_dw
   "ours compile"                   bf16, kernels torch + training.compile, our loss
   "ours fp8 tensorwise compile"    the same with training.fp8=tensorwise
   "ours fp8 rowwise compile"       the same with training.fp8=rowwise
   "hf+liger"                       transformers + liger-kernel, bf16: the ratios' reference
-A label ending in " fp32-master" keeps fp32 master weights and AdamW moments.
+A label ending in " fp32-master" keeps fp32 master weights and AdamW moments; one ending in
+" compiled casts" (before it) runs the previous casts: torch.compile'd, weights cast per use.
 
-Not yet measured.
+Measured: bench/NOTES.md.
 """
 import argparse
 import json
@@ -36,7 +48,8 @@ import bench_speed  # noqa: E402  (puts the repository on sys.path)
 import train  # noqa: E402
 from fused_projections import bench, fwd_bwd  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.speed import fp8  # noqa: E402
+from picotron.speed import fp8, fp8_quantize  # noqa: E402
+from picotron.speed.fp8_weights import Fp8WeightCache, WeightCasts  # noqa: E402
 from picotron.speed.fused_linear import fused_linear  # noqa: E402
 from picotron.utils import flops_per_token  # noqa: E402
 
@@ -44,6 +57,7 @@ from picotron.utils import flops_per_token  # noqa: E402
 ROWS = {"ours defaults": ("auto", "auto", False, "auto", "none"),
         "ours fp8 tensorwise": ("auto", "auto", False, "auto", "tensorwise"),
         "ours fp8 rowwise": ("auto", "auto", False, "auto", "rowwise"),
+        "ours fp8 rowwise_bf16_dw": ("auto", "auto", False, "auto", "rowwise_bf16_dw"),
         "ours compile": ("torch", "triton", True, "none", "none"),
         "ours fp8 tensorwise compile": ("torch", "triton", True, "none", "tensorwise"),
         "ours fp8 rowwise compile": ("torch", "triton", True, "none", "rowwise")}
@@ -63,22 +77,73 @@ def layer_gemms(model_cfg, tokens):
 
 
 def gemms_alone(x, weights, recipe):
-    """The three FP8 GEMMs of fp8_linear on operands quantized once, beforehand."""
-    rowwise, grad = recipe == "rowwise", fp8.E4M3 if recipe == "rowwise" else fp8.E5M2
-    w = torch.cat(weights).detach()
-    dy = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
-    a = [fp8.quantize(t, f, rowwise) for t, f in ((x.detach(), fp8.E4M3), (w, fp8.E4M3),
-                                                  (dy, grad), (w.t(), fp8.E4M3),
-                                                  (dy.t(), grad),
-                                                  (x.detach().t(), fp8.E4M3))]
+    """The three FP8 GEMMs of fp8_linear on operands quantized once, beforehand (dW in bf16
+    under rowwise_bf16_dw)."""
+    r = fp8.recipe_of(recipe)
+    scaling, grad = ("row", fp8.E4M3) if r.rowwise else ("tensor", fp8.E5M2)
+    w, x = torch.cat(weights).detach(), x.detach()
+    dy = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+
+    def q(t, fmt, along_rows=True):
+        if along_rows:
+            return fp8.quantize(t, fmt, scaling)[::2]
+        return fp8.quantize(t, fmt, "column" if r.rowwise else "tensor", rows=False,
+                            transposed=True)[1:]
+    pairs = [(q(x, fp8.E4M3), q(w, fp8.E4M3)), (q(dy, grad), q(w, fp8.E4M3, False))]
+    if not r.bf16_dw:
+        pairs.append((q(dy, grad, False), q(x, fp8.E4M3, False)))
 
     def run():
-        for (p, ps), (q, qs) in ((a[0], a[1]), (a[2], a[3]), (a[4], a[5])):
-            fp8.scaled_mm(p, ps, q, qs, torch.bfloat16)
+        for (p, ps), (b, bs) in pairs:
+            fp8.scaled_mm(p, ps, b, bs, torch.bfloat16)
+        if r.bf16_dw:
+            torch.mm(dy.t(), x)
     return run
 
 
+class PreviousCasts:
+    """`with PreviousCasts():` the casts as before our kernels: the reference, torch.compile'd
+    for any shape (`compile=True`, once per process) or op by op, and no weight cache."""
+    compiled = {}
+
+    def __init__(self, compile: bool):
+        self.compile = compile
+
+    def __enter__(self):
+        self.saved = (fp8_quantize.use_kernels, fp8_quantize.reference,
+                      fp8_quantize.reference_amax)
+        reference, reference_amax = self.saved[1:]
+        if self.compile:
+            if not self.compiled:
+                self.compiled.update(reference=torch.compile(reference, dynamic=True),
+                                     amax=torch.compile(reference_amax, dynamic=True))
+            reference, reference_amax = self.compiled["reference"], self.compiled["amax"]
+        fp8_quantize.use_kernels = lambda x: False
+        fp8_quantize.reference, fp8_quantize.reference_amax = reference, reference_amax
+        return self
+
+    def __exit__(self, *exc):
+        (fp8_quantize.use_kernels, fp8_quantize.reference,
+         fp8_quantize.reference_amax) = self.saved
+
+
+VARIANTS = ("cached", "per use", "compiled", "eager", "alone")
+
+
+def time_variant(variant, x, ws, recipe):
+    inputs = [x, *ws]
+    if variant == "alone":
+        return bench(gemms_alone(x, ws, recipe))
+    if variant in ("compiled", "eager"):
+        with PreviousCasts(compile=variant == "compiled"):
+            return bench(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe), inputs))
+    cache = Fp8WeightCache() if variant == "cached" else None
+    return bench(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe, cache=cache), inputs))
+
+
 def gemms(args):
+    variants = [v for v in args.variants.split(",") if v]
+    assert set(variants) <= set(VARIANTS), f"--variants: pick from {VARIANTS}"
     for shape in args.shapes.split(","):
         cfg = config_from_dict(bench_speed.base_config(shape, args.mbs, args.seq)).model
         print(f"== {shape}: {args.mbs * args.seq} tokens, ms per layer, fwd + bwd")
@@ -86,20 +151,19 @@ def gemms(args):
         for name, x, ws in layer_gemms(cfg, args.mbs * args.seq):
             times = {"bf16": bench(fwd_bwd(lambda: fused_linear(x, ws), [x, *ws]))}
             for recipe in fp8.RECIPES:
-                times[recipe] = bench(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe), [x, *ws]))
-                times[f"{recipe} gemms alone"] = bench(gemms_alone(x, ws, recipe))
-            for recipe in fp8.RECIPES:          # the casts as written, op by op
-                saved = fp8._amax_fast, fp8._cast_fast, fp8._quantize_fast
-                fp8._amax_fast, fp8._cast_fast, fp8._quantize_fast = (
-                    fp8._amax, fp8._cast, fp8._quantize_local)
-                times[f"{recipe} eager casts"] = bench(
-                    fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe), [x, *ws]))
-                fp8._amax_fast, fp8._cast_fast, fp8._quantize_fast = saved
-            print(f"  {name:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in times.items()))
+                for variant in variants:
+                    times[f"{recipe} {variant}"] = time_variant(variant, x, ws, recipe)
+            print(f"  {name:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in times.items()),
+                  flush=True)
             for k, v in times.items():
                 totals[k] = totals.get(k, 0.0) + v
         print(f"  {'layer':8s} " + "  ".join(f"{k} {v:.3f} ({totals['bf16'] / v:.2f}x)"
                                              for k, v in totals.items()))
+
+
+def uncached(cache, weights, w, rowwise, in_group, out_group, transposed):
+    """Fp8WeightCache.get that never keeps anything: the weights cast at every use."""
+    return WeightCasts(w, rowwise, in_group, out_group, transposed)
 
 
 def child(args):
@@ -108,6 +172,10 @@ def child(args):
     train.materialize = bench_speed.cached_materialize
     label, shape, master = args.one, args.shapes, args.one.endswith(" fp32-master")
     base = label.removesuffix(" fp32-master")
+    if base.endswith(" compiled casts"):            # the previous casts, for the whole run
+        base = base.removesuffix(" compiled casts")
+        PreviousCasts(compile=True).__enter__()
+        Fp8WeightCache.get = uncached
     if base == "hf+liger":
         make = lambda: bench_speed.hf_runner(shape, args.mbs, args.seq, True, False)  # noqa
     else:
@@ -153,6 +221,8 @@ def main():
     p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     p.add_argument("--rows", default="", help="steps: comma-separated labels (default: all)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="gemms: comma-separated FP8 columns (default: %(default)s)")
     p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
     args = p.parse_args()
     if args.one:

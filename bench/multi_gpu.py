@@ -49,9 +49,13 @@ import create_config  # noqa: E402
 # (name, world size, create_config flags): the 2-GPU rows, then the 8-GPU ones
 PARITY = [("dp2", 2, ["--dp", "2"]), ("tp2-sp", 2, ["--tp", "2", "--set",
                                                     "distributed.sequence_parallel=true"]),
+          ("tp2-sp-overlap", 2, ["--tp", "2", "--set", "distributed.sequence_parallel=true",
+                                 "--set", "distributed.tp_comm_overlap=true"]),
           ("pp2-1f1b", 2, ["--pp", "2", "--pp_engine", "1f1b"]),
           ("pp2-interleaved", 2, ["--pp", "2", "--pp_engine", "interleaved"]),
           ("cp2", 2, ["--cp", "2"]),
+          ("dp2-zero1", 2, ["--dp", "2", "--zero_stage", "1"]),     # gathers under forward
+          ("dp2-zero2", 2, ["--dp", "2", "--zero_stage", "2"]),
           ("dp2-zero3", 2, ["--dp", "2", "--zero_stage", "3"]),
           ("dp2-zero3-keep", 2, ["--dp", "2", "--zero_stage", "3", "--set",
                                  "distributed.zero3_keep_params=true"]),

@@ -116,7 +116,7 @@ def state_rows(config, params: Params) -> list:
                     max(temp, params.largest * b), "step",
                     f"max(AdamW temporaries {temp / GiB:.2f} GiB, the largest parameter's "
                     f"gradient before its bucket takes it {params.largest:,} x {b} B)"))
-    if t.fp8 != "none":     # speed/fp8_weights.py: every projection's W and W^T in FP8, kept
+    if t.fp8 != "none" and d.zero_stage < 3:    # speed/fp8_weights.py: W and W^T in FP8
         layers = (params.total - params.root) // params.layer
         norms = (1 if config.model.parallel_residual else 2) * config.model.hidden_size
         proj = layers * (params.layer - norms)

@@ -1,8 +1,9 @@
 """training.fp8 on CPU (torch._scaled_mm runs there too): the FP8 linear against the exact
 product within bounds derived from the formats' precision, forward and both gradients, both
 recipes; the recomputing SwiGLU + down projection against the SwiGLU then the FP8 linear;
-which modules the plug-in swaps; recomputation; the config's refusals; tp = 2 against one
-rank (tests/workers/fp8_tp_worker.py). Training in FP8 needs a GPU: tests/test_fp8_gpu.py."""
+which modules the plug-in swaps; recomputation; tp = 2 against one
+rank (tests/workers/fp8_tp_worker.py). The config's refusals: tests/test_fp8_config.py.
+Training in FP8 needs a GPU: tests/test_fp8_gpu.py."""
 import os
 from types import SimpleNamespace
 
@@ -11,14 +12,12 @@ import torch
 import torch.nn as nn
 
 from launch import ROOT, launch_script, write_config
-from picotron.config import Config, ConfigError, DistributedConfig, ModelConfig, TrainingConfig
-from picotron.config import config_from_dict
+from picotron.config import Config, DistributedConfig, ModelConfig, TrainingConfig
 from picotron.model import Decoder
 from picotron.speed import fp8 as fp8_module
-from picotron.speed import fp8_layers
 from picotron.speed.fp8 import E4M3, E5M2, fp8_linear
 from picotron.speed.fp8_layers import (Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear,
-                                       apply_fp8, check_fp8_device)
+                                       apply_fp8)
 from picotron.speed.recompute import apply_activation_checkpointing
 from picotron.tensor_parallel import apply_tensor_parallel
 
@@ -109,11 +108,12 @@ def test_fp8_swiglu_linear_is_swiglu_then_the_fp8_linear(recipe):
 def assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe):
     """Fp8SwiGLULinear (h recomputed in backward) against the SwiGLU then the FP8 linear (h
     kept): output and both gradients bitwise equal. Shared with tests/test_fp8_gpu.py."""
+    from picotron.speed.fp8 import recipe_of
     from picotron.speed.fp8_triton import Fp8SwiGLULinear
     from picotron.speed.triton_swiglu import swiglu_packed
     results = []
     for fn in (lambda g, w: fp8_linear(swiglu_packed(g * 1), [w], recipe),
-               lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe == "rowwise", None, w)):
+               lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe_of(recipe), None, None, w)):
         g, ws = gu.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(g, ws)           # g * 1: a fresh intermediate, overwritten in place as in the MLP
         y.backward(dy)
@@ -232,7 +232,7 @@ def test_fp8_trains_like_the_reference_on_cpu(tmp_path):
     path = write_config(tmp_path, "fp8", ["--mbs", "4", "--seq_len", "64",
                                           "--total_train_steps", "40"])
     finals = {}
-    for recipe in ("none", "tensorwise", "rowwise"):
+    for recipe in ("none", "tensorwise", "rowwise", "rowwise_bf16_dw"):
         config, pgm, device = train.setup(path)
         config.training.fp8 = recipe
         model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
@@ -242,55 +242,9 @@ def test_fp8_trains_like_the_reference_on_cpu(tmp_path):
                                    device).read()["loss"] for i in range(40)]
         assert losses[-1] < losses[0] - 1.0, f"{recipe} did not train: {losses}"
         finals[recipe] = sum(losses[-10:])
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "rowwise_bf16_dw"):
         gap = abs(finals[recipe] - finals["none"]) / finals["none"]
         assert gap < 0.01, f"{recipe}: {gap:.3%} from the reference"
-
-
-def test_none_changes_nothing():
-    model = Decoder(fp8_config().model)
-    apply_fp8(model, fp8_config("none"))
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
-
-
-def refusal(**training):
-    raw = {"distributed": {"use_cpu": training.pop("use_cpu", False)},
-           "model": {"hidden_size": 128, "intermediate_size": 352},
-           "training": {"dtype": "bfloat16", "fp8": "tensorwise", **training}}
-    with pytest.raises(ConfigError) as e:
-        config_from_dict(raw)
-    return str(e.value)
-
-
-def test_config_refusals():
-    assert "distributed.use_cpu is true; set training.fp8='none'" in refusal(use_cpu=True)
-    assert "must be one of ('none', 'tensorwise', 'rowwise')" in refusal(fp8="e4m3")
-    assert "set training.dtype='bfloat16'" in refusal(dtype="float16")
-    assert "training.cuda_graphs" in refusal(cuda_graphs=True)
-    message = refusal(seq_length=100, micro_batch_size=1)
-    assert "multiples of 16" in message and "(tokens)=100" in message
-    ok = config_from_dict({"distributed": {"use_cpu": False},
-                           "training": {"dtype": "bfloat16", "fp8": "rowwise"}})
-    assert ok.training.fp8 == "rowwise"
-
-
-def test_gpus_without_fp8_are_refused(monkeypatch):
-    """Below compute capability 8.9 by name; on a newer GPU whose torch cannot run the
-    recipe's GEMMs, by the GEMM's own first error line (a tiny FP8 linear tried at build)."""
-    config = fp8_config("rowwise")
-    config.distributed.use_cpu = False
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
-    with pytest.raises(ConfigError, match=r"A100 is 8.0; set training.fp8='none'$"):
-        check_fp8_device(config)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")
-    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: "no row-scaled GEMM here")
-    with pytest.raises(ConfigError, match=r"L4 \(8.9\) with torch .*: no row-scaled GEMM here; "
-                                          r"set training.fp8='tensorwise' or 'none'$"):
-        check_fp8_device(config)
-    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: None)
-    check_fp8_device(config)
 
 
 def test_tp2_scales_are_the_full_tensors():

@@ -3,9 +3,13 @@
     python -m pytest -q tests/test_fp8_gpu.py
 
 - the recomputing FP8 SwiGLU + down projection against the SwiGLU then the FP8 linear;
-- the FP8 linear (compiled casts, cuBLAS FP8 GEMMs) at a SmolLM-360M projection's shape in bf16,
-  forward and both gradients, within test_fp8.product_bound plus the bf16 output's rounding;
-  the casts as written (eager) stay within the same bound;
+- the cast kernels (fp8_cast.py) against fp8_quantize.reference, bit for bit, at SmolLM-360M's
+  and 1.7B's projection shapes, every scaling and format (tests/test_fp8_kernels.py runs
+  here too, on small shapes);
+- the FP8 linear (our cast kernels, cuBLAS FP8 GEMMs) at a SmolLM-360M projection's shape in
+  bf16, forward and both gradients, within test_fp8.product_bound plus the bf16 output's
+  rounding, every recipe; the reference casts (torch, op by op) within the same bound and
+  bitwise equal to the kernels';
 - training: the debug model on the embedded corpus, FP8 against bf16 from the same seed with
   model.kernels torch, triton (with and without "selective") and torch + training.compile:
   the FP8 loss follows bf16's;
@@ -25,9 +29,11 @@ pytestmark = pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 (
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402
 from launch import launch, read_metrics  # noqa: E402
-from picotron.speed import fp8 as fp8_module  # noqa: E402
+from picotron.speed import fp8_quantize  # noqa: E402
 from picotron.speed.fp8 import E4M3, E5M2, fp8_linear  # noqa: E402
+from picotron.speed.fp8_quantize import quantize, reference, reference_amax  # noqa: E402
 from test_fp8 import assert_swiglu_kept_equals_recomputed, product_bound  # noqa: E402
+from test_fp8_kernels import LAYOUTS, assert_same, operand  # noqa: E402
 
 # the bf16 output's rounding: half of bf16's relative step, of |y| <= (1 + 2^-3)^2 sum|a||b|
 # (each operand rounded by at most e5m2's 2^-3)
@@ -56,19 +62,31 @@ def gemm_errors(recipe):
     return out
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("n,k", [(4096, 960), (4096, 2560), (32768, 2048), (8192, 8192)])
+def test_cast_kernels_equal_the_reference_on_gpu(n, k):
+    """Our kernels against the reference at real projection shapes (1.7B: 32768 tokens of
+    2048, and W_down's 8192 columns): q, q^T and scales bit for bit."""
+    for fmt in (E4M3, E5M2):
+        x = operand(n, k, torch.bfloat16)
+        for scaling, rows, transposed in LAYOUTS:
+            want = reference(x, fmt, scaling, reference_amax(x, scaling), rows, transposed)
+            assert_same(quantize(x, fmt, scaling, rows=rows, transposed=transposed), want,
+                        f"{n}x{k} {fmt} {scaling} q={rows} q^T={transposed}")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
 def test_fp8_linear_within_the_formats_rounding_on_gpu(recipe, monkeypatch):
-    for name, err, bound, got in gemm_errors(recipe):            # the compiled casts
+    kernels = gemm_errors(recipe)                                  # our cast kernels
+    for name, err, bound, got in kernels:
         assert got.dtype == torch.bfloat16
         assert (err <= bound).all(), f"{recipe} {name}: {(err - bound).max():.3g} past the bound"
-    monkeypatch.setattr(fp8_module, "_amax_fast", fp8_module._amax)   # the casts as written
-    monkeypatch.setattr(fp8_module, "_cast_fast", fp8_module._cast)
-    monkeypatch.setattr(fp8_module, "_quantize_fast", fp8_module._quantize_local)
-    for name, err, bound, _ in gemm_errors(recipe):
-        assert (err <= bound).all(), f"eager casts, {recipe} {name}"
+    monkeypatch.setattr(fp8_quantize, "use_kernels", lambda x: False)   # the reference casts
+    for (name, err, bound, got), (_, _, _, ours) in zip(gemm_errors(recipe), kernels):
+        assert (err <= bound).all(), f"reference casts, {recipe} {name}"
+        assert torch.equal(got, ours), f"{recipe} {name}: kernels and reference differ"
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
 def test_fp8_swiglu_linear_on_gpu(recipe):
     """"selective" with our kernels: the SwiGLU + down projection that recomputes h equals the
     Triton SwiGLU followed by the FP8 linear, bit for bit (the same h, cast the same way)."""
@@ -85,7 +103,8 @@ def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1):
         "--out_dir", str(tmp_path), "--exp_name", name, "--model_name", "debug",
         "--mbs", str(mbs), "--seq_len", str(seq), "--grad_acc_steps", str(acc),
         "--total_train_steps", str(steps), "--set", "training.dtype=bfloat16",
-        "--set", "checkpoint.save_frequency=0", *flags])
+        "--set", "checkpoint.save_frequency=0", "--set", "checkpoint.save_final=false",
+        *flags])
     launch(path, nproc)
     return [r["loss"] for r in read_metrics(path) if "loss" in r]
 
@@ -95,13 +114,13 @@ def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1):
     ("torch", True, "none")])
 def test_fp8_trains_like_bf16(tmp_path, kernels, compile_, ckpt):
     """100 steps, same seed and data: FP8's loss over the last 20 steps within 1% of bf16's
-    (the convergence bar FP8 training is held to), for both recipes; our kernels with and
+    (the convergence bar FP8 training is held to), for every recipe; our kernels with and
     without "selective" (the MLP's recomputing FP8 SwiGLU + down projection)."""
     flags = ["--set", f"model.kernels={kernels}",
              "--set", f"training.compile={str(compile_).lower()}",
              "--set", f"training.activation_checkpointing={ckpt}"]
     bf16 = run(tmp_path, "bf16", *flags)
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "rowwise_bf16_dw"):
         fp8 = run(tmp_path, recipe, *flags, "--set", f"training.fp8={recipe}")
         assert fp8[-1] < fp8[0] - 1.0, f"{recipe} did not train: {fp8}"
         gap = abs(sum(fp8[-20:]) - sum(bf16[-20:])) / sum(bf16[-20:])
@@ -123,7 +142,7 @@ def test_an_fp8_checkpoint_resumes_in_bf16(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
 def test_tp2_fp8_trains_like_one_gpu_fp8(tmp_path, recipe):
     fp8 = ["--set", f"training.fp8={recipe}"]
     one = run(tmp_path, "one", *fp8, steps=20, mbs=2, seq=64, acc=8)

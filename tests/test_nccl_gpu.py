@@ -25,7 +25,9 @@ def test_every_two_gpu_layout_trains_like_one_gpu_over_nccl(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("parity float32 ")]
     ran = [ln for ln in rows if "skipped" not in ln]
-    # dp2, tp2 with sequence parallelism, pp2 1f1b and interleaved, cp2, dp2 at ZeRO-3 (the
-    # GPU defaults: Triton kernels, fused loss, TritonAdamW over the shards), with and without
-    # keeping the parameters from forward to backward
-    assert len(ran) == 7 and all(ln.endswith("PASS") for ln in ran), proc.stdout
+    # dp2, tp2 with sequence parallelism without and with its collectives overlapped with
+    # the GEMMs, pp2 1f1b and interleaved, cp2, dp2 at ZeRO-1 and 2 (parameter all-gathers
+    # waited layer by layer in the next forward) and at ZeRO-3 (the GPU defaults: Triton
+    # kernels, fused loss, TritonAdamW over the shards), with and without keeping the
+    # parameters from forward to backward
+    assert len(ran) == 10 and all(ln.endswith("PASS") for ln in ran), proc.stdout

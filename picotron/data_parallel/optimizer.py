@@ -112,7 +112,16 @@ class DistributedAdamW:
         self.scaler.update(overflow=False)
         self.update(lr, self.clip_factor(norm) / scale)
         self.grads.all_gather_params()
+        self.weights_changed()
         return norm, False
+
+    def weights_changed(self):
+        """Bump every parameter's version counter, as an in-place op on it would. The update
+        wrote the flat buffers the parameters are views of, whose counters are not the
+        parameters' own (`p.data = view` keeps p's), and what is keyed on a parameter's
+        version (the FP8 weight cache, picotron/speed/fp8_weights.py) must see the step."""
+        torch.autograd.graph.increment_version([p for b in self.grads.buckets
+                                                for p in b.members])
 
     def update(self, lr: float, grad_mul):
         """AdamW on every master, its gradient being this rank's gradient shard times

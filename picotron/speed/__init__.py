@@ -7,7 +7,8 @@ against. On GPUs the config's "auto" values turn them on (config.resolve_auto).
                      kernels (triton_layers.py: triton_norms, triton_rope, triton_swiglu,
                      fused_linear; liger_layers.py)
     fp8_layers.py    training.fp8: the decoder layers' projections as FP8 GEMMs (fp8.py;
-                     fp8_triton.py: the fused ones of model.kernels="triton")
+                     fp8_triton.py: the fused ones of model.kernels="triton"; the casts in
+                     fp8_quantize.py and fp8_cast.py; the weight cache in fp8_weights.py)
     recompute.py     training.activation_checkpointing: none | full | selective, per layer
     loss.py          training.fused_loss: the head moved into the loss, chunk by chunk
                      (triton_loss.py: its Triton kernel)

@@ -37,6 +37,7 @@ class TritonAdamW(DistributedAdamW):
         finite = torch.isfinite(norm)
         self._update(lr, torch.stack([self.clip_factor(norm), (~finite).float()]))
         self.grads.all_gather_params()
+        self.weights_changed()
         return norm, ~finite            # skipped: a device bool, read when the step is logged
 
     def update(self, lr: float, grad_mul):

@@ -13,18 +13,26 @@ FP8 holds 8 bits: e4m3 (max 448, 3 mantissa bits: relative rounding <= 2^-4) and
 57344, 2 mantissa bits: <= 2^-3). A tensor is divided by a scale that maps its largest
 magnitude (amax) onto the format's max, rounded to FP8, and the scale is kept to undo it:
     scale = amax / fp8_max,  q = fp8(x / scale),  x ~ q * scale.
-Two recipes (`training.fp8`):
+Three recipes (`training.fp8`):
 - "tensorwise": one scale per tensor. Forward operands in e4m3; the output gradient dy in e5m2:
   gradients span more binades than activations and one scale must cover all of them, so range
   matters more than the last mantissa bit (Micikevicius et al. 2022, "FP8 formats for deep
   learning"). Each cast writes both layouts a GEMM needs in one pass: forward's x_q and its
   transpose for dW (kept for backward in FP8: half the bytes of bf16); dy_q and dy_q^T;
-  W^T is cast again in backward with forward's scale.
+  W_q and W^T_q.
 - "rowwise": one scale per row of each operand, along K, so an outlier token or channel costs
   only its own row precision. Everything in e4m3, dy too: each row of dy has its own scale, so
   range is no longer the limit, and precision is (torchao's rowwise recipe makes the same
   choice). dW reduces over the tokens, so x^T and dy^T get scales of their own, per
   column of x and dy; forward casts x^T too and keeps it for backward (FP8, not bf16 x).
+- "rowwise_bf16_dw": rowwise y and dx, and dW = dy^T x as a plain bf16 GEMM (torchao's
+  "rowwise with high-precision weight gradient"). What it removes is what rowwise pays most
+  for: the column-wise casts of x and dy (each an amax pass over the tokens, then a cast
+  that writes a transposed copy), half of each linear's activation casts. What it costs:
+  dW, a third of the FLOPs, at bf16 speed, so the GEMMs alone gain at most
+  3 / (2 / r + 1) of bf16 for FP8 GEMMs r times faster (r = 1.8: 1.42x instead of 1.8x), and
+  backward keeps x in bf16 (2 bytes a value) instead of x^T in FP8 (1). dW is then as exact
+  as in a bf16 run. Worth it when the casts, not the GEMMs, are the limit.
 Master weights, optimizer, and everything outside the projections stay as in bf16 runs.
 
 Tensor parallelism: a sharded operand must get the scales one GPU would compute from the full
@@ -33,81 +41,51 @@ tensor, so that every layout gives the same numbers. A weight sharded by rows (c
 group; so does x of a row-parallel linear (its C_in is sharded) and dy of a column-parallel one
 (its O is). Rowwise amaxes run along K, so only operands whose K is sharded need it.
 
-Casting: an eager amax and division read and write the whole tensor op by op, which costs more
-than FP8's faster GEMM saves (one layer's GEMMs on an H200: 0.24-0.82x of bf16 with eager
-casts, 1.36-1.79x with fused ones). On a GPU the casts are therefore torch.compile'd
-(`_compiled`: the amax, the division and the rounding of a tensor in one or two kernels); on
-CPU (the tests) they run as written. bench/bench_fp8.py times both.
-"""
-import torch
-import torch.distributed as dist
+Casting: an amax and a division op by op read and write the whole tensor several times, which
+costs more than FP8's faster GEMM saves (bench/NOTES.md). On a GPU the casts are our Triton
+kernels (fp8_cast.py via fp8_quantize.py): a rowwise operand in one kernel, a tensorwise one
+in an amax pass and one cast pass writing both layouts; no compiler, so no recompilation. On
+CPU (the tests) and inside training.compile's compiled layers they are fp8_quantize.reference,
+the same math in torch. The weights are cast once per optimizer step, not per use, and shared
+by every micro-batch's forward and backward (fp8_weights.Fp8WeightCache).
 
+Not done yet, and where it would go: the rowwise cast of a projection's input fused into the
+kernel that produces it. Our RMSNorm forward (triton_norms.py) holds whole rows, so the row
+amax is free there: it could write x_q (N, C) and the row scales next to (or, under
+"rowwise_bf16_dw" with recomputation, instead of) its bf16 output, saving the q/k/v and
+gate/up input's read by the row cast. The SwiGLU forward (triton_swiglu.py) tiles rows into
+512-column blocks, so the down projection's row amax would need the row in one program (I is
+8192 at 1.7B: two passes, like fp8_cast._rowwise) before it could write h_q instead of h.
+Both need the norm's output to reach the projection as FP8 (the layer passes a bf16 tensor
+today); the column-wise casts (x^T, dy^T) cannot be fused this way, since their scales need
+every token first. What it would save, estimated: a norm's output at 1.7B is 128 MB (32768
+tokens x 2048, bf16), a read of it ~0.03 ms at 4 TB/s, so ~1.5 ms per micro-batch over the
+48 norms, against ~0.6 s for the micro-batch's step: well under 1%. The column-wise casts and
+the dW GEMM (what "rowwise_bf16_dw" removes) are where the remaining cast time is.
+"""
+from typing import NamedTuple
+
+import torch
+
+from picotron.speed.fp8_quantize import E4M3, E5M2, quantize
+from picotron.speed.fp8_weights import weight_casts
 from picotron.speed.fused_linear import stacked
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}      # 448, 57344
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "rowwise_bf16_dw")
 
 
-def _amax(x, rowwise: bool):
-    """fp32 largest magnitude: () for the whole tensor, (rows, 1) per row of x (rows, K)."""
-    a = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
-    return a.float()
+class Recipe(NamedTuple):
+    """What a recipe name means for the casts: per-row scales, and dW in bf16. A tuple of
+    constants, so that torch.compile takes it as one."""
+    name: str
+    rowwise: bool
+    bf16_dw: bool
 
 
-def _scale(amax, fp8_dtype):
-    """The fp32 dequantization scale that maps amax onto the format's max; an all-zero tensor
-    gets a tiny scale instead of 0/0."""
-    return amax.clamp(min=1e-12) / FP8_MAX[fp8_dtype]
-
-
-def _cast(x, scale, fp8_dtype, both: bool = False):
-    """fp8(x / scale) as a contiguous (rows, K) copy, and with `both` its contiguous transpose
-    too (one read of x for the two layouts). The clamp keeps a round-up past the max off NaN
-    (e4m3fn has no infinity)."""
-    fp8_max = FP8_MAX[fp8_dtype]
-    q = (x.float() / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return (q.contiguous(), q.t().contiguous()) if both else q.contiguous()
-
-
-def _quantize_local(x, rowwise: bool, fp8_dtype, both: bool = False):
-    """(q, scale) or, with `both`, ((q, q^T), scale) of x from its own amax: one function, for
-    the compiler to fuse."""
-    scale = _scale(_amax(x, rowwise), fp8_dtype)
-    return _cast(x, scale, fp8_dtype, both), scale
-
-
-def _compiled(fn):
-    """fn, torch.compile'd for CUDA tensors, as written elsewhere. Compiled on first use for
-    any shape (dynamic): every projection's operands, in both layouts, share a few graphs, one
-    per recipe's format and layout, well under the compiler's limit of recompilations. The
-    compiler is only imported then (seconds), not by every run that imports the plug-ins."""
-    compiled = []
-
-    def run(x, *args):
-        if not x.is_cuda or torch.compiler.is_compiling():    # inside training.compile's layer:
-            return fn(x, *args)                               # its compiler fuses fn already
-        if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True))
-        return compiled[0](x, *args)
-    return run
-
-
-_amax_fast, _cast_fast, _quantize_fast = map(_compiled, (_amax, _cast, _quantize_local))
-
-
-def quantize(x, fp8_dtype, rowwise: bool, group=None, both: bool = False):
-    """(q, scale) of x (rows, K): q fp8 (rows, K) contiguous (with `both`, the pair (q, q^T);
-    tensorwise only, where one scale serves both), scale fp32, per row along K, (rows, 1), if
-    `rowwise`, else one (). The amax is all-reduced (MAX) over `group` when another rank holds
-    the rest of what it spans."""
-    assert not (both and rowwise), "a transposed copy shares the scale only tensorwise"
-    if group is None or dist.get_world_size(group) == 1:
-        return _quantize_fast(x, rowwise, fp8_dtype, both)
-    amax = _amax_fast(x, rowwise)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = _scale(amax, fp8_dtype)
-    return _cast_fast(x, scale, fp8_dtype, both), scale
+def recipe_of(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"FP8 recipe '{name}' is not one of {RECIPES}")
+    return Recipe(name, name != "tensorwise", name == "rowwise_bf16_dw")
 
 
 def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None):
@@ -129,80 +107,92 @@ def _one_matrix(weights):
     return weights[0] if len(weights) == 1 else stacked(weights)
 
 
-# The operands of the three GEMMs, each cast along its own K (module docstring). `in_group` /
-# `out_group`: the TP group sharding C_in / O, or None.
+# The activations' casts, each along its GEMM's K (module docstring); the weights' are in
+# fp8_weights.py. `in_group` / `out_group`: the TP group sharding C_in / O, or None.
 
-def cast_input(x2, rowwise: bool, in_group, transposed: bool = True):
+def cast_input(x2, recipe: Recipe, in_group, transposed: bool = True):
     """x (N, C_in) -> (x_q, x_s) for y = x W^T, and (x^T_q, its scale) for dW = dy^T x (None
     unless `transposed`). Rowwise: per token along C_in, and per feature along the tokens."""
-    if rowwise:
-        xt = quantize(x2.t(), E4M3, True) if transposed else None
-        return quantize(x2, E4M3, True, in_group), xt
+    if not recipe.rowwise:
+        x_q, xt_q, x_s = quantize(x2, E4M3, "tensor", in_group, transposed=transposed)
+        return (x_q, x_s), (xt_q, x_s) if transposed else None
+    x_q, _, x_s = quantize(x2, E4M3, "row", in_group)
     if not transposed:
-        return quantize(x2, E4M3, False, in_group), None
-    (x_q, xt_q), x_s = quantize(x2, E4M3, False, in_group, both=True)     # one scale: both
-    return (x_q, x_s), (xt_q, x_s)
+        return (x_q, x_s), None
+    _, xt_q, xt_s = quantize(x2, E4M3, "column", rows=False, transposed=True)
+    return (x_q, x_s), (xt_q, xt_s)
 
 
-def cast_weight(w, rowwise: bool, in_group, out_group):
-    """W (O, C_in) for y: rows along C_in, so rowwise needs only in_group; one scale needs
-    every shard, whichever way W is split."""
-    return quantize(w, E4M3, rowwise, in_group if rowwise else in_group or out_group)
-
-
-def cast_weight_t(w, w_s, rowwise: bool, out_group):
-    """W^T (C_in, O) for dx = dy W: rowwise, along O; tensorwise, with forward's scale w_s."""
-    if rowwise:
-        return quantize(w.t(), E4M3, True, out_group)
-    return _cast_fast(w.t(), w_s, E4M3), w_s
-
-
-def cast_grad(dy2, rowwise: bool, out_group):
+def cast_grad(dy2, recipe: Recipe, out_group, for_dx: bool = True, for_dw: bool = True):
     """dy (N, O) -> (dy_q, dy_s) for dx, along O, and (dy^T_q, its scale) for dW, along the
-    tokens: e4m3 per row, or e5m2 with one scale for both layouts."""
-    if rowwise:
-        return quantize(dy2, E4M3, True, out_group), quantize(dy2.t(), E4M3, True)
-    (dy_q, dyt_q), dy_s = quantize(dy2, E5M2, False, out_group, both=True)
-    return (dy_q, dy_s), (dyt_q, dy_s)
+    tokens (each None when not needed; dW's never under bf16_dw): e4m3 per row, or e5m2
+    with one scale for both layouts."""
+    for_dw = for_dw and not recipe.bf16_dw
+    if not recipe.rowwise:
+        dy_q, dyt_q, s = quantize(dy2, E5M2, "tensor", out_group, rows=for_dx,
+                                  transposed=for_dw)
+        return (dy_q, s) if for_dx else None, (dyt_q, s) if for_dw else None
+    dy = quantize(dy2, E4M3, "row", out_group)[::2] if for_dx else None
+    dyt = quantize(dy2, E4M3, "column", rows=False, transposed=True)[1:] if for_dw else None
+    return dy, dyt
+
+
+def weight_grad(dy2, dyt, xt, x2, recipe: Recipe, dtype):
+    """dW = dy^T x (O, C_in): in FP8 from the casts, or under bf16_dw from dy and x as they
+    are (fp32 accumulation either way)."""
+    if recipe.bf16_dw:
+        return dy2.t().to(dtype) @ x2.to(dtype)
+    return scaled_mm(*dyt, *xt, dtype)
 
 
 class Fp8Linear(torch.autograd.Function):
     """y = x @ cat(weights)^T with the three GEMMs in FP8 (module docstring). Several weights
     (q/k/v, gate/up) run as one GEMM like fused_linear.py; their gradients come back as row
-    slices of one dW. Backward keeps x^T in FP8 (C_in, N) and its scale, and the weights."""
+    slices of one dW. Backward keeps x^T in FP8 (C_in, N) and its scale (x itself under
+    bf16_dw), and the weights' FP8 copies (from `cache`, a Fp8WeightCache, if given)."""
 
     @staticmethod
-    def forward(ctx, x, rowwise, in_group, out_group, *weights):
+    def forward(ctx, x, recipe, in_group, out_group, cache, *weights):
         w = _one_matrix(weights)                                    # (O, C_in)
-        (x_q, x_s), (xt_q, xt_s) = cast_input(x.reshape(-1, x.shape[-1]), rowwise, in_group)
-        w_q, w_s = cast_weight(w, rowwise, in_group, out_group)
-        y = scaled_mm(x_q, x_s, w_q, w_s, x.dtype, (*x.shape[:-1], w.shape[0]))   # (..., O)
-        ctx.rowwise, ctx.out_group = rowwise, out_group
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, x.shape[-1])                             # (N, C_in)
+        need_dw = any(ctx.needs_input_grad[5:])
+        (x_q, x_s), xt = cast_input(x2, recipe, in_group,
+                                    transposed=need_dw and not recipe.bf16_dw)
+        casts = weight_casts(cache, weights, w, recipe.rowwise, in_group, out_group,
+                             transposed=ctx.needs_input_grad[0])
+        y = scaled_mm(x_q, x_s, casts.w_q, casts.w_s, x.dtype, (*x.shape[:-1], w.shape[0]))
+        ctx.recipe, ctx.casts, ctx.out_group = recipe, casts, out_group
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         ctx.out_sizes = [wi.shape[0] for wi in weights]
-        ctx.save_for_backward(xt_q, xt_s, w_s, *weights)
+        # the weights themselves only when W^T is cast in backward (no cache)
+        ctx.save_for_backward(*(xt or (None, None)), x if need_dw and recipe.bf16_dw else None,
+                              *(weights if cache is None else ()))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xt_q, xt_s, w_s, *weights = ctx.saved_tensors
-        w = _one_matrix(weights)                                    # (O, C_in)
-        (dy_q, dy_s), (dyt_q, dyt_s) = cast_grad(dy.reshape(-1, dy.shape[-1]), ctx.rowwise,
-                                                 ctx.out_group)
+        xt_q, xt_s, x, *weights = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx, need_dw)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            wt_q, wt_s = cast_weight_t(w, w_s, ctx.rowwise, ctx.out_group)
-            dx = scaled_mm(dy_q, dy_s, wt_q, wt_s, ctx.x_dtype, ctx.x_shape)     # (..., C_in)
-        if any(ctx.needs_input_grad[4:]):
-            dw = scaled_mm(dyt_q, dyt_s, xt_q, xt_s, w.dtype)                      # (O, C_in)
-        dws = dw.split(ctx.out_sizes, dim=0) if dw is not None else [None] * len(weights)
-        return (dx, None, None, None, *dws)
+        if need_dx:
+            wt_q, wt_s = ctx.casts.transposed(_one_matrix(weights) if weights else None)
+            dx = scaled_mm(*dy_c, wt_q, wt_s, ctx.x_dtype, ctx.x_shape)        # (..., C_in)
+        if need_dw:
+            x2 = None if x is None else x.reshape(-1, x.shape[-1])
+            dw = weight_grad(dy2, dyt, (xt_q, xt_s), x2, ctx.recipe, ctx.w_dtype)  # (O, C_in)
+        ctx.casts = None
+        dws = dw.split(ctx.out_sizes, dim=0) if dw is not None else [None] * len(ctx.out_sizes)
+        return (dx, None, None, None, None, *dws)
 
 
-def fp8_linear(x, weights, recipe: str, in_group=None, out_group=None):
-    """x @ cat(weights)^T in FP8 under `recipe` ("tensorwise" | "rowwise"). x (..., C_in),
-    weights [(O_i, C_in)] -> (..., sum O_i) in x's dtype. `in_group` / `out_group`: the
-    tensor-parallel group over which C_in / O is sharded, if it is (tensor_parallel/layers.py)."""
-    if recipe not in RECIPES:
-        raise ValueError(f"FP8 recipe '{recipe}' is not one of {RECIPES}")
-    return Fp8Linear.apply(x, recipe == "rowwise", in_group, out_group, *weights)
+def fp8_linear(x, weights, recipe: str, in_group=None, out_group=None, cache=None):
+    """x @ cat(weights)^T in FP8 under `recipe` (RECIPES). x (..., C_in), weights [(O_i, C_in)]
+    -> (..., sum O_i) in x's dtype. `in_group` / `out_group`: the tensor-parallel group over
+    which C_in / O is sharded, if it is (tensor_parallel/layers.py). `cache`: the module's
+    Fp8WeightCache (the weights cast once per optimizer step), or None to cast them at this
+    use; not used while torch.compile traces (its graph casts them)."""
+    if torch.compiler.is_compiling():
+        cache = None
+    return Fp8Linear.apply(x, recipe_of(recipe), in_group, out_group, cache, *weights)

@@ -1,5 +1,6 @@
 """apply_fp8: the decoder layers' projections (q/k/v/o, gate/up/down) swapped for subclasses
-whose forward runs fp8.py's FP8 GEMMs (`training.fp8` = "tensorwise" | "rowwise").
+whose forward runs fp8.py's FP8 GEMMs (`training.fp8` = "tensorwise" | "rowwise" |
+"rowwise_bf16_dw").
 
 Everything else keeps its class: the embedding, the output head, the norms, attention itself
 (softmax needs the range FP8 lacks, and the head's logits feed the loss directly), so a run
@@ -7,7 +8,9 @@ differs from its bf16 twin only in the seven GEMM families that hold most of the
 
 A class swap in place, as speed/kernels.py does: the parameters stay the same tensors under the
 same names, so an FP8 run's checkpoint is an ordinary checkpoint (it resumes in bf16, and a bf16
-one in FP8); the weights are cast to FP8 afresh at every use, never stored in it.
+one in FP8). Each swapped module (and each fused q/k/v or gate/up block) gets an
+Fp8WeightCache (fp8_weights.py): its weight's FP8 copies, cast once per optimizer step and
+never saved (not under ZeRO-3, `_cache`).
 
     nn.Linear             -> Fp8Linear                 one process
     ColumnParallelLinear  -> Fp8ColumnParallelLinear   its O is sharded: dy's and W's scales
@@ -26,28 +29,31 @@ import torch.nn as nn
 
 from picotron.errors import ConfigError
 from picotron.speed.fp8 import fp8_linear
+from picotron.speed.fp8_weights import Fp8WeightCache
 from picotron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class Fp8Linear(nn.Linear):
-    fp8_recipe = "tensorwise"        # set per module by apply_fp8
+    fp8_recipe, fp8_cache = "tensorwise", None       # set per module by apply_fp8
 
     def forward(self, x):
-        return fp8_linear(x, [self.weight], self.fp8_recipe)                 # (..., O)
+        return fp8_linear(x, [self.weight], self.fp8_recipe, cache=self.fp8_cache)  # (..., O)
 
 
 class Fp8ColumnParallelLinear(ColumnParallelLinear):
-    fp8_recipe, fp8_group = "tensorwise", None       # set per module by apply_fp8
+    fp8_recipe, fp8_group, fp8_cache = "tensorwise", None, None      # set by apply_fp8
 
     def forward(self, x):
-        return fp8_linear(x, [self.weight], self.fp8_recipe, out_group=self.fp8_group)
+        return fp8_linear(x, [self.weight], self.fp8_recipe, out_group=self.fp8_group,
+                          cache=self.fp8_cache)
 
 
 class Fp8RowParallelLinear(RowParallelLinear):
-    fp8_recipe = "tensorwise"
+    fp8_recipe, fp8_cache = "tensorwise", None
 
     def forward(self, x):
-        partial = fp8_linear(x, [self.weight], self.fp8_recipe, in_group=self.tp_group)
+        partial = fp8_linear(x, [self.weight], self.fp8_recipe, in_group=self.tp_group,
+                             cache=self.fp8_cache)
         return self.reduce(partial)                  # g on the (B, T, O) partial product
 
 
@@ -71,7 +77,7 @@ def check_fp8_device(config):
                           f"{major}.{minor}; set training.fp8='none'")
     error = fp8_gemm_error(recipe)
     if error:
-        fix = "'tensorwise' or 'none'" if recipe == "rowwise" else "'none'"
+        fix = "'tensorwise' or 'none'" if recipe.startswith("rowwise") else "'none'"
         raise ConfigError(f"training.fp8='{recipe}' cannot run on {name} ({major}.{minor}) "
                           f"with torch {torch.__version__}: {error}; set training.fp8={fix}")
 
@@ -112,16 +118,24 @@ def apply_fp8(model, config, tp_group=None):
             if fast is not None:
                 branch.__class__ = fast
                 branch.fp8_recipe, branch.fp8_group = recipe, _sharded_group(branch, tp_group)
+                branch.fp8_cache = _cache(config)            # its fused q/k/v or gate/up
             for projection in branch.children():
                 fp8 = FP8_LINEARS.get(type(projection))
                 if fp8 is None:
                     continue
                 assert getattr(projection, "bias", None) is None, "FP8 linears have no bias"
                 projection.__class__ = fp8
-                projection.fp8_recipe = recipe
+                projection.fp8_recipe, projection.fp8_cache = recipe, _cache(config)
                 if fp8 is Fp8ColumnParallelLinear:
                     projection.fp8_group = tp_group
     return model
+
+
+def _cache(config):
+    """A new Fp8WeightCache, or None under ZeRO-3: it keeps only the layer in use gathered,
+    and a cache would keep every layer's weights whole in FP8 (2 bytes a parameter), so
+    there the weights are cast at each use."""
+    return Fp8WeightCache() if config.distributed.zero_stage < 3 else None
 
 
 def _sharded_group(branch, tp_group):

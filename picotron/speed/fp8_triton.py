@@ -8,42 +8,67 @@ own scale anyway. The o and down projections are Fp8 linears of their own (fp8_l
 
 With "selective" recomputation (`recompute_swiglu`), the SwiGLU and the down projection are
 one op, `Fp8SwiGLULinear`: triton_swiglu.SwiGLULinear's recomputation with FP8 GEMMs. It keeps
-gu, W_down and the scales, not the SwiGLU output h (N, I): backward computes dh = dy W (FP8),
-then one kernel writes d(gu) and h (bitwise forward's h) and h^T is cast again for dW
-(tensorwise with forward's scale, so dW is what keeping h would have given).
+gu and W_down's FP8 copies (and, tensorwise, h's amax), not the SwiGLU output h (N, I):
+backward computes dh = dy W (FP8), then one kernel writes d(gu) and h (bitwise forward's h)
+and h^T is cast again for dW (tensorwise with forward's amax, so forward's scale: dW is what
+keeping h would have given; under "rowwise_bf16_dw" dW = dy^T h in bf16, no cast).
 """
 import torch
 
-from picotron.speed.fp8 import (E4M3, _cast_fast, cast_grad, cast_input, cast_weight,
-                                cast_weight_t, fp8_linear, quantize, scaled_mm)
+from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, recipe_of,
+                                scaled_mm, weight_grad)
+from picotron.speed.fp8_quantize import amax_of
+from picotron.speed.fp8_weights import weight_casts
 from picotron.speed.triton_layers import TritonAttention, TritonMLP
 from picotron.speed.triton_swiglu import (_may_overwrite, _rows, _swiglu_backward,
                                           _swiglu_forward, swiglu_packed)
 
 
+def _cast_h(h, recipe: Recipe, in_group):
+    """h (N, I) -> (h_q, h_s) for y = h W^T, and the amax h^T's cast reuses (tensorwise)."""
+    if recipe.rowwise:
+        h_q, _, h_s = quantize(h, E4M3, "row", in_group)
+        return h_q, h_s, None
+    amax = amax_of(h, "tensor", in_group)
+    h_q, _, h_s = quantize(h, E4M3, "tensor", amax=amax)
+    return h_q, h_s, amax
+
+
+def _cast_ht(h, recipe: Recipe, amax):
+    """(h^T_q (I, N), its scale) for dW: per row of h^T along the tokens, or with forward's
+    amax (so forward's scale): dW is what keeping h would have given."""
+    scaling = "column" if recipe.rowwise else "tensor"
+    return quantize(h, E4M3, scaling, rows=False, transposed=True, amax=amax)[1:]
+
+
 class Fp8SwiGLULinear(torch.autograd.Function):
     """y = swiglu(gu) @ W^T in FP8: gu (..., 2I) -> (..., O), W (O, I); under tensor
-    parallelism I is this rank's share (row-parallel, `in_group`) and y a partial sum."""
+    parallelism I is this rank's share (row-parallel, `in_group`) and y a partial sum.
+    `cache`: the down projection's Fp8WeightCache, or None."""
 
     @staticmethod
-    def forward(ctx, gu, rowwise, in_group, weight):
+    def forward(ctx, gu, recipe, in_group, cache, weight):
         ctx.inplace = _may_overwrite(gu)
         h = _swiglu_forward(_rows(gu))                  # (N, I), freed when forward returns
-        (h_q, h_s), _ = cast_input(h, rowwise, in_group, transposed=False)
-        w_q, w_s = cast_weight(weight, rowwise, in_group, None)
-        ctx.rowwise = rowwise
-        ctx.save_for_backward(gu, weight, h_s, w_s)
-        return scaled_mm(h_q, h_s, w_q, w_s, gu.dtype, (*gu.shape[:-1], weight.shape[0]))
+        h_q, h_s, h_amax = _cast_h(h, recipe, in_group)
+        casts = weight_casts(cache, [weight], weight, recipe.rowwise, in_group, None,
+                             transposed=ctx.needs_input_grad[0])
+        ctx.recipe, ctx.casts, ctx.w_dtype = recipe, casts, weight.dtype
+        ctx.save_for_backward(gu, h_amax, weight if cache is None else None)
+        return scaled_mm(h_q, h_s, casts.w_q, casts.w_s, gu.dtype,
+                         (*gu.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, dy):                                              # dy (..., O)
-        gu, weight, h_s, w_s = ctx.saved_tensors
-        gu2 = _rows(gu)                                                 # (N, 2I)
-        (dy_q, dy_s), dyt = cast_grad(dy.reshape(-1, dy.shape[-1]), ctx.rowwise, None)
+        gu, h_amax, weight = ctx.saved_tensors
+        recipe, gu2 = ctx.recipe, _rows(gu)                             # (N, 2I)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        dy_c, dyt = cast_grad(dy2, recipe, None, need_dgu, need_dw)
         dgu = dw = None
-        if ctx.needs_input_grad[0]:
-            wt_q, wt_s = cast_weight_t(weight, w_s, ctx.rowwise, None)
-            dh2 = scaled_mm(dy_q, dy_s, wt_q, wt_s, gu.dtype)   # (N, I), fresh: h goes over it
+        if need_dgu:
+            wt_q, wt_s = ctx.casts.transposed(weight)
+            dh2 = scaled_mm(*dy_c, wt_q, wt_s, gu.dtype)        # (N, I), fresh: h goes over it
             dgu2 = gu2 if ctx.inplace else torch.empty_like(gu2)
             _swiglu_backward(dh2, gu2, dgu2, store_h=True)
             h, dgu = dh2, dgu2.detach().view(gu.shape)
@@ -51,32 +76,40 @@ class Fp8SwiGLULinear(torch.autograd.Function):
                 torch.autograd.graph.increment_version(gu)
         else:
             h = _swiglu_forward(gu2)
-        if ctx.needs_input_grad[3]:                      # h^T (I, N): along the tokens
-            ht = (quantize(h.t(), E4M3, True) if ctx.rowwise
-                  else (_cast_fast(h.t(), h_s, E4M3), h_s))
-            dw = scaled_mm(*dyt, *ht, weight.dtype)                     # (O, I)
-        return dgu, None, None, dw
+        if need_dw:                                     # h^T (I, N): along the tokens
+            ht = None if recipe.bf16_dw else _cast_ht(h, recipe, h_amax)
+            dw = weight_grad(dy2, dyt, ht, h, recipe, ctx.w_dtype)        # (O, I)
+        ctx.casts = None
+        return dgu, None, None, None, dw
 
 
 class Fp8TritonAttention(TritonAttention):
     fp8_recipe, fp8_group = "tensorwise", None       # set per module by fp8_layers.apply_fp8
+    fp8_cache = None                                 # its Fp8WeightCache, set there too
 
     def project(self, x, weights):
-        return fp8_linear(x, weights, self.fp8_recipe, out_group=self.fp8_group)
+        return fp8_linear(x, weights, self.fp8_recipe, out_group=self.fp8_group,
+                          cache=self.fp8_cache)
 
 
 class Fp8TritonMLP(TritonMLP):
-    fp8_recipe, fp8_group = "tensorwise", None
+    fp8_recipe, fp8_group, fp8_cache = "tensorwise", None, None
     project = Fp8TritonAttention.project
 
     def forward(self, x):
         gu = self.project(x, [self.gate_proj.weight, self.up_proj.weight])     # (B, T, 2I)
         if not self.recompute_swiglu:
             return self.down_proj(swiglu_packed(gu))     # an Fp8 linear: (B, T, C)
-        y = Fp8SwiGLULinear.apply(gu, self.fp8_recipe == "rowwise",
-                                  getattr(self.down_proj, "tp_group", None), self.down_proj.weight)
+        y = Fp8SwiGLULinear.apply(gu, recipe_of(self.fp8_recipe),
+                                  getattr(self.down_proj, "tp_group", None),
+                                  _down_cache(self.down_proj), self.down_proj.weight)
         reduce = getattr(self.down_proj, "reduce", None)     # row-parallel: g over TP
         return y if reduce is None else reduce(y)
+
+
+def _down_cache(down_proj):
+    """The down projection's weight cache, unless torch.compile is tracing (fp8_linear)."""
+    return None if torch.compiler.is_compiling() else getattr(down_proj, "fp8_cache", None)
 
 
 FP8_CLASSES = {TritonAttention: Fp8TritonAttention, TritonMLP: Fp8TritonMLP}

@@ -1,5 +1,5 @@
 """Worker for test_fp8.py: FP8 column- and row-parallel linears on tp gloo ranks against one
-rank's FP8 linear on the full tensors, both recipes, with and without sequence parallelism.
+rank's FP8 linear on the full tensors, every recipe, with and without sequence parallelism.
 
 Every rank builds the same full inputs, weights and upstream gradients from one seed; one
 half of each sharded dimension is 8x larger than the other, so a rank's local amax differs
@@ -15,6 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from picotron.speed.fp8 import fp8_linear  # noqa: E402
 from picotron.speed.fp8_layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
+from picotron.speed.fp8_weights import Fp8WeightCache  # noqa: E402
 from picotron.tensor_parallel.comms import (copy_to_tp, gather_from_sequence,  # noqa: E402
                                             reduce_from_tp)
 
@@ -64,13 +65,13 @@ def main():
     chunk = slice(rank * T // tp, (rank + 1) * T // tp)      # this rank's tokens under SP
     x, w_col, dy_col = torch.randn(B, T, C), uneven(O, C, dim=0), uneven(B, T, O, dim=2)
     x_wide, w_row, dy_row = uneven(B, T, O, dim=2), uneven(C, O, dim=1), torch.randn(B, T, C)
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "rowwise_bf16_dw"):
         for sp in (False, True):
             tag = f"{recipe} sp={sp}"
             # column-parallel: O sharded; x enters through f (or the SP all-gather)
             ref_y, ref_dx, ref_dw = one_rank(x, w_col, dy_col, recipe)
             col = Fp8ColumnParallelLinear(C, O, rank, tp)
-            col.fp8_recipe, col.fp8_group = recipe, group
+            col.fp8_recipe, col.fp8_group, col.fp8_cache = recipe, group, Fp8WeightCache()
             cols = col.weight.local_slice[0]
             x_in = leaf(x[:, chunk] if sp else x)
             entered = gather_from_sequence(x_in, group) if sp else copy_to_tp(x_in, group)
@@ -81,7 +82,7 @@ def main():
             # row-parallel: C_in sharded; the partial products summed by g
             ref_y, ref_dx, ref_dw = one_rank(x_wide, w_row, dy_row, recipe)
             row = Fp8RowParallelLinear(O, C, rank, tp, group, sp)
-            row.fp8_recipe = recipe
+            row.fp8_recipe, row.fp8_cache = recipe, Fp8WeightCache()     # all-reduced on a miss
             feats = row.weight.local_slice[1]
             x_in = leaf(x_wide[..., feats])
             y, dw = sharded(row, w_row, x_in, dy_row[:, chunk] if sp else dy_row)

@@ -1,0 +1,219 @@
+"""FP8 casts as our own Triton kernels: amax, scale and rounding of an (N, K) bf16/fp32 operand.
+
+    x (N, K), unit column stride -> q = fp8(x / scale) and/or its transpose q^T (K, N),
+    with one fp32 scale for the whole tensor (), per row (N, 1) or per column (K, 1): the
+    three scalings fp8.py's GEMM operands need (fp8_quantize.py says which is which).
+
+Three kernels, so that no cast is ever compiled (torch.compile recompiled on the strides of
+transposed operands and then fell back to eager) and each reads x as few times as it can:
+- `_rowwise`: per-row scales in one kernel. A program owns BLOCK_M rows and walks K twice:
+  row amax, then scale and cast (the second walk reads the same rows again, mostly from L2).
+  With AMAX_ONLY it stops after the amax, for an amax another rank must all-reduce first.
+- `_amax`: the amax of the whole tensor or of each column. Program (j, p) takes column block
+  j and row blocks p, p + P, ...: a running max in registers, then one atomic max per column
+  (or one for the tensor) per program, so P programs, not N/BLOCK_M, contend per address.
+  The atomics work on the fp32 bits as int32: for non-negative floats the two orders agree.
+- `_cast`: given the amax, one pass writing q, q^T or both from one read of x (tensorwise,
+  where one scale serves both layouts), and the scales the GEMM takes.
+
+Rounding. Each kernel rounds x / scale onto the FP8 grid in fp32 itself (`_fp8_round`:
+saturate at the format's max, then add and subtract 1.5 * 2^23 * step, which fp32 addition
+rounds to a multiple of the step, ties to even), so the conversion to FP8 that follows is
+exact. The GPU's own conversion also rounds to nearest even, so on the GPU this costs a few
+ALU operations in a memory-bound kernel and gives the same bits; it is there for Triton's
+CPU interpreter, whose conversion to FP8 rounds ties away from zero and drops the carry
+into the exponent (125.6 became 64), so that the tests can compare these kernels with
+fp8_quantize.reference bit for bit on CPU.
+
+Scales are amax * (1 / fp8_max) with amax clamped at 1e-12, and x / scale a correctly rounded
+division, exactly as the reference computes them.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# The kernels' own copy of fp8_quantize's tables (which imports this module, on GPUs only;
+# tests/test_fp8_kernels.py checks the two agree): SCALING codes, and per format its largest
+# finite value, mantissa bits and the exponent of its smallest normal.
+TENSOR, ROW, COLUMN = 0, 1, 2
+FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+
+
+@triton.jit
+def _fp8_round(v, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """v (fp32) saturated at +-FP8_MAX and rounded to the nearest FP8 value, ties to even, in
+    fp32. The step between FP8 values near |v| is 2^(e - MANTISSA), e = floor(log2 |v|) (read
+    from the fp32 exponent bits), never below the subnormals' 2^(MIN_EXP - MANTISSA)."""
+    a = tl.minimum(tl.abs(v), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    magic = ((e - MANTISSA + 23 + 127) << 23).to(tl.float32, bitcast=True)    # step * 2^23
+    r = (a + magic) - magic            # a + magic lies in [magic, 2 magic): its ulp is the step
+    # v's sign bit onto r (>= 0) by bits: -0.0 stays -0.0 (on the GPU `-r` compiled to 0 - r,
+    # which is +0.0)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rowwise(x_ptr, q_ptr, s_ptr, N, K, stride, AMAX_ONLY: tl.constexpr,
+             FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_M rows: amax over K, then (unless AMAX_ONLY, which stores the amax) the scale and
+    q = fp8(x / scale), row by row along K."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)[:, None]            # row * stride can pass 2^31 elements
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    start = 0        # `while`: Triton's interpreter cannot take a range with run-time bounds
+    while start < K:
+        cols = start + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows64 * stride + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1),
+                          propagate_nan=tl.PropagateNan.ALL)
+        start += BLOCK_K
+    if AMAX_ONLY:
+        tl.store(s_ptr + rows, amax, mask=row_ok)
+    else:
+        scale = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX)
+        tl.store(s_ptr + rows, scale, mask=row_ok)
+        start = 0
+        while start < K:
+            cols = start + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            x = tl.load(x_ptr + rows64 * stride + cols[None, :], mask=mask, other=0.0)
+            q = _fp8_round(tl.div_rn(x.to(tl.float32), scale[:, None]), FP8_MAX, MANTISSA,
+                           MIN_EXP)
+            tl.store(q_ptr + rows64 * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
+                     mask=mask)
+            start += BLOCK_K
+
+
+@triton.jit
+def _amax(x_ptr, out_ptr, N, K, stride, PER_COLUMN: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Column block program_id(0), row blocks program_id(1) + i * num_programs(1): the
+    largest |x| of each column (PER_COLUMN) or of the tensor, atomically maxed into out_ptr
+    (int32 bits of non-negative fp32, zeroed by the caller)."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    start = tl.program_id(1) * BLOCK_M
+    while start < N:
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < N)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=mask,
+                    other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(x.to(tl.float32)), axis=0),
+                         propagate_nan=tl.PropagateNan.ALL)
+        start += tl.num_programs(1) * BLOCK_M
+    if PER_COLUMN:
+        tl.atomic_max(out_ptr + cols, acc.to(tl.int32, bitcast=True), mask=col_ok)
+    else:
+        tl.atomic_max(out_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.constexpr,
+          WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, FP8_MAX: tl.constexpr,
+          MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_K) tile: scale from the given amax (one, per row or per column),
+    q = fp8(x / scale) stored as (N, K) rows (WRITE_Q) and/or as (K, N) rows of q^T
+    (WRITE_QT). The scales are stored by the first program along the other axis."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < N, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    if SCALING == 0:
+        scale = tl.maximum(tl.load(amax_ptr), 1e-12) * (1.0 / FP8_MAX)
+        v = tl.div_rn(x.to(tl.float32), scale)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(s_ptr, scale)
+    elif SCALING == 1:
+        scale = tl.maximum(tl.load(amax_ptr + rows, mask=row_ok, other=1.0), 1e-12) \
+            * (1.0 / FP8_MAX)
+        v = tl.div_rn(x.to(tl.float32), scale[:, None])
+        if pid_k == 0:
+            tl.store(s_ptr + rows, scale, mask=row_ok)
+    else:
+        scale = tl.maximum(tl.load(amax_ptr + cols, mask=col_ok, other=1.0), 1e-12) \
+            * (1.0 / FP8_MAX)
+        v = tl.div_rn(x.to(tl.float32), scale[None, :])
+        if pid_m == 0:
+            tl.store(s_ptr + cols, scale, mask=col_ok)
+    q = _fp8_round(v, FP8_MAX, MANTISSA, MIN_EXP)
+    if WRITE_Q:
+        tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=mask)
+    if WRITE_QT:
+        tl.store(qt_ptr + cols64[:, None] * N + rows[None, :],
+                 tl.trans(q).to(qt_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+ROWWISE_TILE = (8, 256, 4)      # BLOCK_M, BLOCK_K, num_warps: 2K elements a step
+AMAX_TILE = (32, 128, 4)        # 4K elements a step; P = 4 row programs per SM per column block
+CAST_TILE = (64, 64, 4)         # square, so that q^T's stores are as wide as x's loads
+
+
+def _unit_columns(x):
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def quantize_rows(x, fp8_dtype):
+    """(q (N, K), scale (N, 1)): per-row scales, one kernel."""
+    x = _unit_columns(x)
+    (N, K), (bm, bk, warps) = x.shape, ROWWISE_TILE
+    q = torch.empty((N, K), dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((N, 1), dtype=torch.float32, device=x.device)
+    fp8_max, mantissa, min_exp = FORMATS[fp8_dtype]
+    _rowwise[(triton.cdiv(N, bm),)](x, q, scale, N, K, x.stride(0), AMAX_ONLY=False,
+                                    FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
+                                    BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+    return q, scale
+
+
+def amax(x, scaling: int):
+    """fp32 amax of x (N, K): () for TENSOR, (N, 1) per ROW, (K, 1) per COLUMN."""
+    x = _unit_columns(x)
+    N, K = x.shape
+    if scaling == ROW:
+        bm, bk, warps = ROWWISE_TILE
+        out = torch.empty((N, 1), dtype=torch.float32, device=x.device)
+        _rowwise[(triton.cdiv(N, bm),)](x, x, out, N, K, x.stride(0), AMAX_ONLY=True,
+                                        FP8_MAX=1.0, MANTISSA=0, MIN_EXP=0,
+                                        BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+        return out
+    bm, bk, warps = AMAX_TILE
+    col_blocks, row_blocks = triton.cdiv(K, bk), triton.cdiv(N, bm)
+    # enough programs to fill the GPU (4 per SM), at least 2 per column block on CPU so the
+    # tests walk the strided loop and the atomics
+    slots = 4 * _sm_count(x.device) if x.is_cuda else 2 * col_blocks
+    programs = max(1, min(row_blocks, slots // col_blocks))
+    bits = torch.zeros((K, 1) if scaling == COLUMN else (), dtype=torch.int32, device=x.device)
+    _amax[(col_blocks, programs)](x, bits, N, K, x.stride(0), PER_COLUMN=scaling == COLUMN,
+                                  BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+    return bits.view(torch.float32)
+
+
+def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool = False):
+    """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
+    returns it; all-reduced already where another rank holds part of what it spans)."""
+    x = _unit_columns(x)
+    (N, K), (bm, bk, warps) = x.shape, CAST_TILE
+    q = torch.empty((N, K), dtype=fp8_dtype, device=x.device) if rows else None
+    qt = torch.empty((K, N), dtype=fp8_dtype, device=x.device) if transposed else None
+    scale = torch.empty_like(amax_)
+    fp8_max, mantissa, min_exp = FORMATS[fp8_dtype]
+    _cast[(triton.cdiv(N, bm), triton.cdiv(K, bk))](
+        x, amax_, x if q is None else q, x if qt is None else qt, scale, N, K, x.stride(0),
+        SCALING=scaling, WRITE_Q=rows, WRITE_QT=transposed, FP8_MAX=fp8_max,
+        MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+    return q, qt, scale
+
+
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count

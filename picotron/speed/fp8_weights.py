@@ -1,0 +1,93 @@
+"""A projection's weight in FP8, cast once per optimizer step instead of at every use.
+
+Within one optimizer step a weight does not change, yet without a cache it is cast (amax,
+scale, rounding, and the TP amax all-reduce) at every forward and again at every backward:
+2 x grad_acc_steps times, plus once more per recomputed forward. Fp8WeightCache keeps, per
+module, what the three GEMMs need of W (O, C_in):
+    W_q, W_s     forward  y = x W^T     rows along C_in (one scale, or one per output row)
+    W^T_q, W^T_s backward dx = dy W     rows of W^T (C_in, O) along O (tensorwise: W_s again,
+                                        both layouts written by one pass over W)
+and serves them to every micro-batch's forward and backward (and to recomputation) until
+the weight changes.
+
+When it changes: the cache is keyed on each weight's `_version`, the counter every in-place
+write to a tensor bumps: copy_ into a parameter (a checkpoint load), torch's in-place ops, and
+the optimizer's step, which bumps every parameter's counter once it has written them
+(DistributedAdamW.weights_changed: its update and ZeRO's all-gathers write the flat buffers
+the parameters are views of, whose counters are not the parameters' own). So the first
+forward after an optimizer step misses, recasts (and all-reduces the amax over TP, once per
+step), and the rest of the step hits. Every TP rank makes the same writes, so all miss
+together and the all-reduce never waits for a rank that hit; for that reason the key holds
+no storage address, which could differ between ranks. Not used: inside training.compile's
+compiled layers (the compiler fuses the casts into the layer it traces), and under ZeRO-3,
+whose point is not to hold every layer's weights whole (fp8_layers._cache).
+
+Memory: W_q and W^T_q, 1 byte each per element, kept between steps: 2 bytes per projection
+parameter, as much as the bf16 weights themselves (3.2 GB at SmolLM-1.7B's 1.6 B projection
+parameters), plus the scales (4 bytes per row, rowwise). Without the cache the same copies
+exist only while a layer runs; the cache trades that memory for 2 x grad_acc_steps casts.
+"""
+from picotron.speed.fp8_quantize import E4M3, quantize
+
+
+def cast_weight(w, rowwise: bool, in_group, out_group, transposed: bool):
+    """(W_q, W_s, (W^T_q, W^T_s) or None) for W (O, C_in). Rowwise: W's rows along C_in
+    (sharded by in_group), W^T's along O (out_group). Tensorwise: one scale over every
+    shard, both layouts in one pass."""
+    if rowwise:
+        w_q, _, w_s = quantize(w, E4M3, "row", in_group)
+        return w_q, w_s, cast_weight_t(w, rowwise, in_group, out_group) if transposed else None
+    w_q, wt_q, w_s = quantize(w, E4M3, "tensor", in_group or out_group, transposed=transposed)
+    return w_q, w_s, (wt_q, w_s) if transposed else None
+
+
+def cast_weight_t(w, rowwise: bool, in_group, out_group):
+    """(W^T_q (C_in, O), its scale) for dx = dy W: per row of W^T along O (rowwise), or the
+    tensor's one scale, which is W_s again (the same W gives the same amax)."""
+    if rowwise:
+        _, wt_q, wt_s = quantize(w, E4M3, "column", out_group, rows=False, transposed=True)
+    else:
+        _, wt_q, wt_s = quantize(w, E4M3, "tensor", in_group or out_group, rows=False,
+                                 transposed=True)
+    return wt_q, wt_s
+
+
+class WeightCasts:
+    """One weight's FP8 copies: forward's (q, scale), and backward's (q^T, scale) once cast."""
+
+    def __init__(self, w, rowwise, in_group, out_group, transposed: bool):
+        self.w_q, self.w_s, self.t = cast_weight(w, rowwise, in_group, out_group, transposed)
+        self.args = rowwise, in_group, out_group
+
+    def transposed(self, w):
+        """(W^T_q, W^T_s), cast now if forward did not (a forward without gradients)."""
+        if self.t is None:
+            self.t = cast_weight_t(w, *self.args)
+        return self.t
+
+
+class Fp8WeightCache:
+    """The FP8 copies of one module's (possibly fused: q/k/v, gate/up) weight, recast when a
+    weight's version changes (module docstring). `casts` counts the recasts."""
+
+    def __init__(self):
+        self.key, self.entry, self.casts = None, None, 0
+
+    def get(self, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
+        """WeightCasts of w, the (O, C_in) matrix of `weights` (the parameters themselves,
+        whose versions key the cache); `transposed`: backward will need W^T."""
+        key = (rowwise, *(p._version for p in weights))
+        if key != self.key or (transposed and self.entry.t is None):
+            self.key, self.entry = None, None               # the old copies go first
+            self.entry = WeightCasts(w, rowwise, in_group, out_group, transposed)
+            self.key = key
+            self.casts += 1
+        return self.entry
+
+
+def weight_casts(cache, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
+    """From `cache`, or cast for this use only when there is none (W^T then waits for
+    backward, so that forward does not hold it)."""
+    if cache is None:
+        return WeightCasts(w, rowwise, in_group, out_group, transposed=False)
+    return cache.get(weights, w, rowwise, in_group, out_group, transposed)

@@ -1,0 +1,56 @@
+"""training.fp8's config and device checks: `none` swaps nothing, the config's refusals (CPU,
+unknown recipe, dtype, CUDA graphs, sizes not multiples of 16), and GPUs without FP8 GEMMs
+refused by name or by the GEMM's own error. The FP8 math is tests/test_fp8.py's."""
+import pytest
+import torch
+
+from picotron.config import ConfigError, config_from_dict
+from picotron.model import Decoder
+from picotron.speed import fp8_layers
+from picotron.speed.fp8_layers import Fp8Linear, apply_fp8, check_fp8_device
+from test_fp8 import fp8_config
+
+def test_none_changes_nothing():
+    model = Decoder(fp8_config().model)
+    apply_fp8(model, fp8_config("none"))
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def refusal(**training):
+    raw = {"distributed": {"use_cpu": training.pop("use_cpu", False)},
+           "model": {"hidden_size": 128, "intermediate_size": 352},
+           "training": {"dtype": "bfloat16", "fp8": "tensorwise", **training}}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    return str(e.value)
+
+
+def test_config_refusals():
+    assert "distributed.use_cpu is true; set training.fp8='none'" in refusal(use_cpu=True)
+    assert "one of ('none', 'tensorwise', 'rowwise', 'rowwise_bf16_dw')" in refusal(fp8="e4m3")
+    assert "set training.dtype='bfloat16'" in refusal(dtype="float16")
+    assert "training.cuda_graphs" in refusal(cuda_graphs=True)
+    message = refusal(seq_length=100, micro_batch_size=1)
+    assert "multiples of 16" in message and "(tokens)=100" in message
+    ok = config_from_dict({"distributed": {"use_cpu": False},
+                           "training": {"dtype": "bfloat16", "fp8": "rowwise"}})
+    assert ok.training.fp8 == "rowwise"
+
+
+def test_gpus_without_fp8_are_refused(monkeypatch):
+    """Below compute capability 8.9 by name; on a newer GPU whose torch cannot run the
+    recipe's GEMMs, by the GEMM's own first error line (a tiny FP8 linear tried at build)."""
+    config = fp8_config("rowwise")
+    config.distributed.use_cpu = False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    with pytest.raises(ConfigError, match=r"A100 is 8.0; set training.fp8='none'$"):
+        check_fp8_device(config)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")
+    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: "no row-scaled GEMM here")
+    with pytest.raises(ConfigError, match=r"L4 \(8.9\) with torch .*: no row-scaled GEMM here; "
+                                          r"set training.fp8='tensorwise' or 'none'$"):
+        check_fp8_device(config)
+    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: None)
+    check_fp8_device(config)
