@@ -2,18 +2,23 @@
 
     python bench/bench_fp8.py gemms [--shapes SmolLM-360M,SmolLM-1.7B] [--mbs 16] [--seq 2048]
     python bench/bench_fp8.py steps [--shapes SmolLM-360M,SmolLM-1.7B] [--rows LABELS]
-e.g. the new casts against the previous ones at 1.7B, in one call (the --rows value on one line):
+e.g. the fused casts against the separate ones at 1.7B, in one call (the --rows value on one line):
     python bench/bench_fp8.py gemms --shapes SmolLM-1.7B
     python bench/bench_fp8.py steps --shapes SmolLM-1.7B --rows "ours defaults,ours fp8
-        tensorwise,ours fp8 tensorwise compiled casts,ours fp8 rowwise,ours fp8 rowwise
-        compiled casts,ours fp8 rowwise_bf16_dw,hf+liger"
+        tensorwise,ours fp8 rowwise,ours fp8 rowwise unfused casts,ours fp8
+        rowwise_bf16_dw,ours fp8 rowwise_bf16_dw unfused casts,hf+liger"
 
 gemms: one decoder layer's projections (fused q/k/v, o, fused gate/up, down) at micro-batch x
 seq tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs, for each
 recipe (tensorwise, rowwise, rowwise_bf16_dw) against bf16 (fused_linear / F.linear, the path
-model.kernels=triton runs), in columns (`--variants` picks some):
+model.kernels=triton runs); then "mlp": gate/up, the SwiGLU and down as one, as "selective"
+runs it (fp8_triton.fp8_swiglu_mlp against fused_linear + swiglu_linear), the row where the
+row-scaled recipes' casts fused into the SwiGLU kernels (fp8_fused.py) show, and "layer mlp",
+the layer's total with that row for gate/up and down. Columns (`--variants` picks some):
 - "cached": fp8_linear as training runs it: our cast kernels (fp8_cast.py), the weights' FP8
-  copies from a warm Fp8WeightCache (every micro-batch but a step's first);
+  copies from a warm Fp8WeightCache (every micro-batch but a step's first), and in the mlp
+  row the casts fused into the SwiGLU kernels where the recipe is row-scaled;
+- "unfused" (mlp row only): "cached" with fp8_fused.FUSED off: the separate cast kernels;
 - "per use": our cast kernels, the weights cast at every use (a step's first micro-batch);
 - "compiled": the casts as before our kernels: fp8_quantize's reference amax and cast, each
   torch.compile'd, the weights cast at every use;
@@ -29,8 +34,10 @@ micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its
   "ours fp8 tensorwise compile"    the same with training.fp8=tensorwise
   "ours fp8 rowwise compile"       the same with training.fp8=rowwise
   "hf+liger"                       transformers + liger-kernel, bf16: the ratios' reference
+The fp8 rows run the casts fused into the SwiGLU kernels, as training does (row-scaled recipes).
 A label ending in " fp32-master" keeps fp32 master weights and AdamW moments; one ending in
-" compiled casts" (before it) runs the previous casts: torch.compile'd, weights cast per use.
+" compiled casts" (before it) runs the previous casts: torch.compile'd, weights cast per use;
+one ending in " unfused casts" (before those) turns fp8_fused.FUSED off: the separate casts.
 
 Measured: bench/NOTES.md.
 """
@@ -48,9 +55,11 @@ import bench_speed  # noqa: E402  (puts the repository on sys.path)
 import train  # noqa: E402
 from fused_projections import bench, fwd_bwd  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.speed import fp8, fp8_quantize  # noqa: E402
+from picotron.speed import fp8, fp8_fused, fp8_quantize  # noqa: E402
+from picotron.speed.fp8_triton import fp8_swiglu_mlp  # noqa: E402
 from picotron.speed.fp8_weights import Fp8WeightCache, WeightCasts  # noqa: E402
 from picotron.speed.fused_linear import fused_linear  # noqa: E402
+from picotron.speed.triton_swiglu import swiglu_linear  # noqa: E402
 from picotron.utils import flops_per_token  # noqa: E402
 
 # label: (kernels, fused_loss, compile, activation checkpointing, training.fp8)
@@ -127,7 +136,7 @@ class PreviousCasts:
          fp8_quantize.reference_amax) = self.saved
 
 
-VARIANTS = ("cached", "per use", "compiled", "eager", "alone")
+VARIANTS = ("cached", "unfused", "per use", "compiled", "eager", "alone")
 
 
 def time_variant(variant, x, ws, recipe):
@@ -141,24 +150,62 @@ def time_variant(variant, x, ws, recipe):
     return bench(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe, cache=cache), inputs))
 
 
+def time_mlp(variant, x, ws, w_down, x_i, recipe):
+    """The mlp row: gate/up (ws), the SwiGLU and down (w_down) as "selective" runs them.
+    "alone": the two projections' GEMMs alone (x_i: an (N, I) input for down's)."""
+    r = fp8.recipe_of(recipe)
+    if variant == "alone":
+        gate_up, down = gemms_alone(x, ws, recipe), gemms_alone(x_i, [w_down], recipe)
+        return bench(lambda: (gate_up(), down()))
+    caches = (Fp8WeightCache(), Fp8WeightCache()) if variant in ("cached", "unfused") \
+        else (None, None)
+    step = fwd_bwd(lambda: fp8_swiglu_mlp(x, ws, w_down, r, None, None, *caches),
+                   [x, *ws, w_down])
+    fused = fp8_fused.FUSED
+    try:
+        fp8_fused.FUSED = variant != "unfused"
+        if variant in ("compiled", "eager"):
+            with PreviousCasts(compile=variant == "compiled"):
+                return bench(step)
+        return bench(step)
+    finally:
+        fp8_fused.FUSED = fused
+
+
 def gemms(args):
     variants = [v for v in args.variants.split(",") if v]
     assert set(variants) <= set(VARIANTS), f"--variants: pick from {VARIANTS}"
     for shape in args.shapes.split(","):
         cfg = config_from_dict(bench_speed.base_config(shape, args.mbs, args.seq)).model
         print(f"== {shape}: {args.mbs * args.seq} tokens, ms per layer, fwd + bwd")
-        totals = {}
-        for name, x, ws in layer_gemms(cfg, args.mbs * args.seq):
+        totals, mlp_totals, rows = {}, {}, layer_gemms(cfg, args.mbs * args.seq)
+        for name, x, ws in rows:
             times = {"bf16": bench(fwd_bwd(lambda: fused_linear(x, ws), [x, *ws]))}
             for recipe in fp8.RECIPES:
-                for variant in variants:
-                    times[f"{recipe} {variant}"] = time_variant(variant, x, ws, recipe)
-            print(f"  {name:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in times.items()),
-                  flush=True)
-            for k, v in times.items():
-                totals[k] = totals.get(k, 0.0) + v
-        print(f"  {'layer':8s} " + "  ".join(f"{k} {v:.3f} ({totals['bf16'] / v:.2f}x)"
-                                             for k, v in totals.items()))
+                for variant in variants:     # "unfused": nothing to fuse in one projection
+                    times[f"{recipe} {variant}"] = time_variant(
+                        "cached" if variant == "unfused" else variant, x, ws, recipe)
+            report(name, times, [totals] + ([mlp_totals] if name in ("q/k/v", "o") else []))
+        report("layer", totals, ratios=True)
+        (_, x, gate_up), (_, x_i, (w_down,)) = rows[2], rows[3]
+        times = {"bf16": bench(fwd_bwd(lambda: swiglu_linear(fused_linear(x, gate_up), w_down),
+                                       [x, *gate_up, w_down]))}
+        for recipe in fp8.RECIPES:
+            for variant in variants:
+                times[f"{recipe} {variant}"] = time_mlp(variant, x, gate_up, w_down, x_i,
+                                                        recipe)
+        report("mlp", times, [mlp_totals])
+        report("layer mlp", mlp_totals, ratios=True)
+
+
+def report(name, times, totals=(), ratios=False):
+    """Print a row's times (and their bf16 / time ratios), adding them to each of `totals`."""
+    print(f"  {name:9s} " + "  ".join(
+        f"{k} {v:.3f}" + (f" ({times['bf16'] / v:.2f}x)" if ratios else "")
+        for k, v in times.items()), flush=True)
+    for total in totals:
+        for k, v in times.items():
+            total[k] = total.get(k, 0.0) + v
 
 
 def uncached(cache, weights, w, rowwise, in_group, out_group, transposed):
@@ -176,6 +223,9 @@ def child(args):
         base = base.removesuffix(" compiled casts")
         PreviousCasts(compile=True).__enter__()
         Fp8WeightCache.get = uncached
+    if base.endswith(" unfused casts"):             # the casts as separate kernels
+        base = base.removesuffix(" unfused casts")
+        fp8_fused.FUSED = False
     if base == "hf+liger":
         make = lambda: bench_speed.hf_runner(shape, args.mbs, args.seq, True, False)  # noqa
     else:
@@ -223,8 +273,12 @@ def main():
     p.add_argument("--rows", default="", help="steps: comma-separated labels (default: all)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="gemms: comma-separated FP8 columns (default: %(default)s)")
+    p.add_argument("--fused_tile", default="",
+                   help="gemms: fp8_fused.TILE as ROWS,BLOCK,WARPS (default: the module's)")
     p.add_argument("--one", help=argparse.SUPPRESS)      # child: run this one row
     args = p.parse_args()
+    if args.fused_tile:
+        fp8_fused.TILE = tuple(int(v) for v in args.fused_tile.split(","))
     if args.one:
         return child(args)
     return gemms(args) if args.part == "gemms" else steps(args)

@@ -10,7 +10,7 @@ run's final loss (the mean of its last 10 steps), its gap to bf16 (the bar: with
 its median tokens/s, and draws the curves side by side with plot.py into DIR/fp8_convergence.png
 (needs matplotlib). Every run stays under DIR/runs.
 
-Not yet measured.
+Measured: bench/NOTES.md (the PNG beside it).
 """
 import argparse
 import json
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import create_config  # noqa: E402
 
-RECIPES = ("none", "tensorwise", "rowwise")
+RECIPES = "none,tensorwise,rowwise"
 
 
 def free_port() -> int:
@@ -61,9 +61,11 @@ def main():
     p.add_argument("--learning_rate", type=float, default=1e-3, help="peak (%(default)s)")
     p.add_argument("--out", default=os.environ.get("OUT", "."),
                    help="folder of the runs and the PNG (default: $OUT, else here)")
+    p.add_argument("--recipes", default=RECIPES, help="training.fp8 values, comma-separated, "
+                   "none (bf16, the reference) first (default: %(default)s)")
     args = p.parse_args()
     runs, finals = {}, {}
-    for recipe in RECIPES:
+    for recipe in args.recipes.split(","):
         steps = train(args, recipe)
         if isinstance(steps, str):
             print(f"fp8={recipe:10s} {steps}", flush=True)

@@ -113,7 +113,8 @@ def assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe):
     from picotron.speed.triton_swiglu import swiglu_packed
     results = []
     for fn in (lambda g, w: fp8_linear(swiglu_packed(g * 1), [w], recipe),
-               lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe_of(recipe), None, None, w)):
+               lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe_of(recipe), None, None, None,
+                                                   w)):
         g, ws = gu.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(g, ws)           # g * 1: a fresh intermediate, overwritten in place as in the MLP
         y.backward(dy)

@@ -3,6 +3,9 @@
     python -m pytest -q tests/test_fp8_gpu.py
 
 - the recomputing FP8 SwiGLU + down projection against the SwiGLU then the FP8 linear;
+- the rowwise casts fused into the SwiGLU kernels (fp8_fused.py) against the reference's cast
+  of the unfused kernels' outputs, and the FP8 MLP with them against without, bit for bit, at
+  1.7B's widths (tests/test_fp8_fused.py's checks);
 - the cast kernels (fp8_cast.py) against fp8_quantize.reference, bit for bit, at SmolLM-360M's
   and 1.7B's projection shapes, every scaling and format (tests/test_fp8_kernels.py runs
   here too, on small shapes);
@@ -33,6 +36,8 @@ from picotron.speed import fp8_quantize  # noqa: E402
 from picotron.speed.fp8 import E4M3, E5M2, fp8_linear  # noqa: E402
 from picotron.speed.fp8_quantize import quantize, reference, reference_amax  # noqa: E402
 from test_fp8 import assert_swiglu_kept_equals_recomputed, product_bound  # noqa: E402
+from test_fp8_fused import (assert_fused_casts_are_the_reference,  # noqa: E402
+                            assert_fused_mlp_is_unfused, fp8_mlp, swiglu_operands)
 from test_fp8_kernels import LAYOUTS, assert_same, operand  # noqa: E402
 
 # the bf16 output's rounding: half of bf16's relative step, of |y| <= (1 + 2^-3)^2 sum|a||b|
@@ -95,6 +100,23 @@ def test_fp8_swiglu_linear_on_gpu(recipe):
     w = (0.02 * torch.randn(960, 2560, device="cuda")).bfloat16()
     dy = torch.randn(4, 1024, 960, device="cuda", dtype=torch.bfloat16)
     assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe)
+
+
+def test_fused_swiglu_casts_on_gpu():
+    """h's and d(gu)'s rowwise casts written by the SwiGLU kernels at I = 8192 (rows of 16384
+    for d(gu): several blocks a row, the second pass from L2): the reference's, bit for bit."""
+    assert_fused_casts_are_the_reference(*swiglu_operands(2048, 8192, torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_bf16_dw"])
+def test_fused_fp8_mlp_on_gpu(monkeypatch, recipe):
+    """The FP8 MLP under "selective" at 1.7B's widths (C = 2048, I = 8192), 4096 tokens: output
+    and gradients with the fused casts equal those without, bit for bit."""
+    mlp = fp8_mlp(recipe, device="cuda", dtype=torch.bfloat16, hidden=2048, inter=8192)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, dy = (torch.randn(4, 1024, 2048, device="cuda", generator=g).bfloat16()
+             for _ in range(2))
+    assert_fused_mlp_is_unfused(monkeypatch, mlp, x, dy)
 
 
 def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1):

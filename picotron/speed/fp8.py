@@ -49,19 +49,14 @@ CPU (the tests) and inside training.compile's compiled layers they are fp8_quant
 the same math in torch. The weights are cast once per optimizer step, not per use, and shared
 by every micro-batch's forward and backward (fp8_weights.Fp8WeightCache).
 
-Not done yet, and where it would go: the rowwise cast of a projection's input fused into the
-kernel that produces it. Our RMSNorm forward (triton_norms.py) holds whole rows, so the row
-amax is free there: it could write x_q (N, C) and the row scales next to (or, under
-"rowwise_bf16_dw" with recomputation, instead of) its bf16 output, saving the q/k/v and
-gate/up input's read by the row cast. The SwiGLU forward (triton_swiglu.py) tiles rows into
-512-column blocks, so the down projection's row amax would need the row in one program (I is
-8192 at 1.7B: two passes, like fp8_cast._rowwise) before it could write h_q instead of h.
-Both need the norm's output to reach the projection as FP8 (the layer passes a bf16 tensor
-today); the column-wise casts (x^T, dy^T) cannot be fused this way, since their scales need
-every token first. What it would save, estimated: a norm's output at 1.7B is 128 MB (32768
-tokens x 2048, bf16), a read of it ~0.03 ms at 4 TB/s, so ~1.5 ms per micro-batch over the
-48 norms, against ~0.6 s for the micro-batch's step: well under 1%. The column-wise casts and
-the dW GEMM (what "rowwise_bf16_dw" removes) are where the remaining cast time is.
+Fused casts (fp8_fused.py): under the row-scaled recipes, with our kernels and "selective"
+(fp8_triton.fp8_swiglu_mlp), the SwiGLU kernels write their outputs' rowwise casts themselves:
+forward h_q and its scales instead of h (the down projection's x), backward d(gu)_q and its
+scales beside d(gu) (gate/up's dy, handed to this linear through `grad_cast`). The column-wise
+casts (x^T, dy^T) cannot be fused this way: their scales need every token first. Not done:
+the RMSNorm forward (triton_norms.py, whole rows too) writing the q/k/v and gate/up input's
+row cast; that needs the norm's output to reach the projection as FP8 (the layer passes a bf16
+tensor), for one read of (N, C) a norm, ~0.03 ms at 1.7B's 32768 x 2048 bf16 at 4 TB/s.
 """
 from typing import NamedTuple
 
@@ -149,19 +144,22 @@ class Fp8Linear(torch.autograd.Function):
     """y = x @ cat(weights)^T with the three GEMMs in FP8 (module docstring). Several weights
     (q/k/v, gate/up) run as one GEMM like fused_linear.py; their gradients come back as row
     slices of one dW. Backward keeps x^T in FP8 (C_in, N) and its scale (x itself under
-    bf16_dw), and the weights' FP8 copies (from `cache`, a Fp8WeightCache, if given)."""
+    bf16_dw), and the weights' FP8 copies (from `cache`, a Fp8WeightCache, if given).
+    `grad_cast`: a fp8_fused.RowCastHandoff through which the kernel that writes dy may hand
+    over dy's rowwise cast (then not cast again here), or None."""
 
     @staticmethod
-    def forward(ctx, x, recipe, in_group, out_group, cache, *weights):
+    def forward(ctx, x, recipe, in_group, out_group, cache, grad_cast, *weights):
         w = _one_matrix(weights)                                    # (O, C_in)
         x2 = x.reshape(-1, x.shape[-1])                             # (N, C_in)
-        need_dw = any(ctx.needs_input_grad[5:])
+        need_dw = any(ctx.needs_input_grad[6:])
         (x_q, x_s), xt = cast_input(x2, recipe, in_group,
                                     transposed=need_dw and not recipe.bf16_dw)
         casts = weight_casts(cache, weights, w, recipe.rowwise, in_group, out_group,
                              transposed=ctx.needs_input_grad[0])
         y = scaled_mm(x_q, x_s, casts.w_q, casts.w_s, x.dtype, (*x.shape[:-1], w.shape[0]))
         ctx.recipe, ctx.casts, ctx.out_group = recipe, casts, out_group
+        ctx.grad_cast = grad_cast
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         ctx.out_sizes = [wi.shape[0] for wi in weights]
         # the weights themselves only when W^T is cast in backward (no cache)
@@ -172,9 +170,12 @@ class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xt_q, xt_s, x, *weights = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx, need_dw)
+        given = ctx.grad_cast.take(dy) if ctx.grad_cast is not None else None
+        dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and given is None,
+                              need_dw)
+        dy_c = dy_c if given is None else given
         dx = dw = None
         if need_dx:
             wt_q, wt_s = ctx.casts.transposed(_one_matrix(weights) if weights else None)
@@ -182,17 +183,20 @@ class Fp8Linear(torch.autograd.Function):
         if need_dw:
             x2 = None if x is None else x.reshape(-1, x.shape[-1])
             dw = weight_grad(dy2, dyt, (xt_q, xt_s), x2, ctx.recipe, ctx.w_dtype)  # (O, C_in)
-        ctx.casts = None
+        ctx.casts = ctx.grad_cast = None
         dws = dw.split(ctx.out_sizes, dim=0) if dw is not None else [None] * len(ctx.out_sizes)
-        return (dx, None, None, None, None, *dws)
+        return (dx, None, None, None, None, None, *dws)
 
 
-def fp8_linear(x, weights, recipe: str, in_group=None, out_group=None, cache=None):
+def fp8_linear(x, weights, recipe: str, in_group=None, out_group=None, cache=None,
+               grad_cast=None):
     """x @ cat(weights)^T in FP8 under `recipe` (RECIPES). x (..., C_in), weights [(O_i, C_in)]
     -> (..., sum O_i) in x's dtype. `in_group` / `out_group`: the tensor-parallel group over
     which C_in / O is sharded, if it is (tensor_parallel/layers.py). `cache`: the module's
     Fp8WeightCache (the weights cast once per optimizer step), or None to cast them at this
-    use; not used while torch.compile traces (its graph casts them)."""
+    use; not used while torch.compile traces (its graph casts them). `grad_cast`: see
+    Fp8Linear (fp8_triton.py's MLP passes one to gate/up)."""
     if torch.compiler.is_compiling():
-        cache = None
-    return Fp8Linear.apply(x, recipe_of(recipe), in_group, out_group, cache, *weights)
+        cache = grad_cast = None
+    return Fp8Linear.apply(x, recipe_of(recipe), in_group, out_group, cache, grad_cast,
+                           *weights)

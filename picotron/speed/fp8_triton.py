@@ -12,11 +12,16 @@ gu and W_down's FP8 copies (and, tensorwise, h's amax), not the SwiGLU output h 
 backward computes dh = dy W (FP8), then one kernel writes d(gu) and h (bitwise forward's h)
 and h^T is cast again for dW (tensorwise with forward's amax, so forward's scale: dW is what
 keeping h would have given; under "rowwise_bf16_dw" dW = dy^T h in bf16, no cast).
+Under the row-scaled recipes its two SwiGLU kernels also cast (fp8_fused.py): forward writes
+h's rowwise FP8 cast instead of h, backward d(gu)'s next to d(gu), handed to the gate/up
+linear's dx GEMM (a RowCastHandoff made by fp8_swiglu_mlp, which Fp8TritonMLP runs).
 """
 import torch
 
 from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, recipe_of,
                                 scaled_mm, weight_grad)
+from picotron.speed.fp8_fused import (RowCastHandoff, fusable, swiglu_backward_rowwise,
+                                      swiglu_rowwise)
 from picotron.speed.fp8_quantize import amax_of
 from picotron.speed.fp8_weights import weight_casts
 from picotron.speed.triton_layers import TritonAttention, TritonMLP
@@ -44,13 +49,17 @@ def _cast_ht(h, recipe: Recipe, amax):
 class Fp8SwiGLULinear(torch.autograd.Function):
     """y = swiglu(gu) @ W^T in FP8: gu (..., 2I) -> (..., O), W (O, I); under tensor
     parallelism I is this rank's share (row-parallel, `in_group`) and y a partial sum.
-    `cache`: the down projection's Fp8WeightCache, or None."""
+    `cache`: the down projection's Fp8WeightCache, or None. `handoff`: a RowCastHandoff to
+    put d(gu)'s rowwise cast in for gate/up's linear, or None (fp8_fused.py)."""
 
     @staticmethod
-    def forward(ctx, gu, recipe, in_group, cache, weight):
-        ctx.inplace = _may_overwrite(gu)
-        h = _swiglu_forward(_rows(gu))                  # (N, I), freed when forward returns
-        h_q, h_s, h_amax = _cast_h(h, recipe, in_group)
+    def forward(ctx, gu, recipe, in_group, cache, handoff, weight):
+        ctx.inplace, ctx.handoff = _may_overwrite(gu), handoff
+        if fusable(recipe, in_group, gu):               # h_q and its scales, no bf16 h
+            (h_q, h_s), h_amax = swiglu_rowwise(_rows(gu)), None
+        else:
+            h = _swiglu_forward(_rows(gu))              # (N, I), freed when forward returns
+            h_q, h_s, h_amax = _cast_h(h, recipe, in_group)
         casts = weight_casts(cache, [weight], weight, recipe.rowwise, in_group, None,
                              transposed=ctx.needs_input_grad[0])
         ctx.recipe, ctx.casts, ctx.w_dtype = recipe, casts, weight.dtype
@@ -63,24 +72,42 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         gu, h_amax, weight = ctx.saved_tensors
         recipe, gu2 = ctx.recipe, _rows(gu)                             # (N, 2I)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[5]
         dy_c, dyt = cast_grad(dy2, recipe, None, need_dgu, need_dw)
         dgu = dw = None
         if need_dgu:
             wt_q, wt_s = ctx.casts.transposed(weight)
             dh2 = scaled_mm(*dy_c, wt_q, wt_s, gu.dtype)        # (N, I), fresh: h goes over it
             dgu2 = gu2 if ctx.inplace else torch.empty_like(gu2)
-            _swiglu_backward(dh2, gu2, dgu2, store_h=True)
+            if ctx.handoff is not None:                 # d(gu)'s rowwise cast too
+                dgu_cast = swiglu_backward_rowwise(dh2, gu2, dgu2, store_h=True)
+            else:
+                _swiglu_backward(dh2, gu2, dgu2, store_h=True)
             h, dgu = dh2, dgu2.detach().view(gu.shape)
             if ctx.inplace:
                 torch.autograd.graph.increment_version(gu)
+            if ctx.handoff is not None:                 # after the version bump it sees
+                ctx.handoff.put(dgu, *dgu_cast)
         else:
             h = _swiglu_forward(gu2)
         if need_dw:                                     # h^T (I, N): along the tokens
             ht = None if recipe.bf16_dw else _cast_ht(h, recipe, h_amax)
             dw = weight_grad(dy2, dyt, ht, h, recipe, ctx.w_dtype)        # (O, I)
-        ctx.casts = None
-        return dgu, None, None, None, dw
+        ctx.casts = ctx.handoff = None
+        return dgu, None, None, None, None, dw
+
+
+def fp8_swiglu_mlp(x, weights, down_weight, recipe: Recipe, group=None, down_group=None,
+                   cache=None, down_cache=None):
+    """swiglu(x @ cat(weights)^T) @ down_weight^T in FP8 as "selective" runs it: the gate/up
+    linear, then Fp8SwiGLULinear. x (..., C) -> (..., O), a partial sum under TP (the caller
+    reduces). `group` / `down_group`: the TP groups sharding gate/up's O and down's C_in;
+    `cache` / `down_cache`: their Fp8WeightCaches. Where fp8_fused applies, the SwiGLU
+    backward hands d(gu)'s rowwise cast to the gate/up linear through a RowCastHandoff."""
+    handoff = RowCastHandoff() if fusable(recipe, group, x) else None
+    gu = fp8_linear(x, weights, recipe.name, out_group=group, cache=cache,
+                    grad_cast=handoff)                                          # (..., 2I)
+    return Fp8SwiGLULinear.apply(gu, recipe, down_group, down_cache, handoff, down_weight)
 
 
 class Fp8TritonAttention(TritonAttention):
@@ -97,12 +124,13 @@ class Fp8TritonMLP(TritonMLP):
     project = Fp8TritonAttention.project
 
     def forward(self, x):
-        gu = self.project(x, [self.gate_proj.weight, self.up_proj.weight])     # (B, T, 2I)
+        weights = [self.gate_proj.weight, self.up_proj.weight]
         if not self.recompute_swiglu:
+            gu = self.project(x, weights)                                      # (B, T, 2I)
             return self.down_proj(swiglu_packed(gu))     # an Fp8 linear: (B, T, C)
-        y = Fp8SwiGLULinear.apply(gu, recipe_of(self.fp8_recipe),
-                                  getattr(self.down_proj, "tp_group", None),
-                                  _down_cache(self.down_proj), self.down_proj.weight)
+        y = fp8_swiglu_mlp(x, weights, self.down_proj.weight, recipe_of(self.fp8_recipe),
+                           self.fp8_group, getattr(self.down_proj, "tp_group", None),
+                           self.fp8_cache, _down_cache(self.down_proj))
         reduce = getattr(self.down_proj, "reduce", None)     # row-parallel: g over TP
         return y if reduce is None else reduce(y)
 

@@ -55,6 +55,21 @@ MAX_BLOCK = 512     # columns per program: divides I = 2560 (360M) and 8192 (1.7
 
 
 @triton.jit
+def _swiglu_h(g, u):
+    """h = silu(g) * u in fp32: the one formula every kernel here (and fp8_fused.py's) uses,
+    so that a recomputed h is bitwise the forward's."""
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _swiglu_grads(g, u, dh):
+    """(d gate, d up, h) in fp32: d gate = dh * up * silu'(gate), silu'(g) = s + g s (1 - s)
+    with s = sigmoid(g); d up = dh * silu(gate); h by the same ops as _swiglu_h."""
+    s = tl.sigmoid(g)
+    return dh * u * (s + g * s * (1.0 - s)), dh * (g * s), g * s * u
+
+
+@triton.jit
 def _swiglu_fwd(gu_ptr, h_ptr, n_rows, n_cols, gu_stride, h_stride,
                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # One (ROWS, BLOCK) tile of h; gate at column c of gu, up at column n_cols + c.
@@ -65,18 +80,17 @@ def _swiglu_fwd(gu_ptr, h_ptr, n_rows, n_cols, gu_stride, h_stride,
     gate_ptrs = gu_ptr + rows * gu_stride + cols[None, :]
     g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u
+    h = _swiglu_h(g, u)
     tl.store(h_ptr + rows * h_stride + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, n_rows, n_cols, dh_stride, gu_stride, dgu_stride,
                 ROWS: tl.constexpr, BLOCK: tl.constexpr, STORE_H: tl.constexpr):
-    # d gate = dh * up * silu'(gate), silu'(g) = s + g s (1 - s) with s = sigmoid(g);
-    # d up = dh * silu(gate). dgu_ptr may equal gu_ptr: each element is read before it is
-    # written, by the same program, and no program reads another's tile. STORE_H: also write
-    # h = silu(gate) * up over dh (SwiGLULinear's recomputation; same ops as _swiglu_fwd, so
-    # the same bits).
+    # d(gu) = (d gate, d up) by _swiglu_grads. dgu_ptr may equal gu_ptr: each element is read
+    # before it is written, by the same program, and no program reads another's tile. STORE_H:
+    # also write h = silu(gate) * up over dh (SwiGLULinear's recomputation; same ops as
+    # _swiglu_fwd, so the same bits).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -86,14 +100,12 @@ def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, n_rows, n_cols, dh_stride, gu_stride, d
     u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
     dh_ptrs = dh_ptr + rows * dh_stride + cols[None, :]
     dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    dgate = dh * u * (s + g * s * (1.0 - s))
-    dup = dh * (g * s)
+    dgate, dup, h = _swiglu_grads(g, u, dh)
     out_ptrs = dgu_ptr + rows * dgu_stride + cols[None, :]
     tl.store(out_ptrs, dgate.to(dgu_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptrs + n_cols, dup.to(dgu_ptr.dtype.element_ty), mask=mask)
     if STORE_H:
-        tl.store(dh_ptrs, (g * s * u).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptrs, h.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(kernel, n_rows, n_cols, *args, **constexprs):
