@@ -4,10 +4,11 @@
     python bench/dp_overlap.py --cpu --model debug --mbs 2 --seq 64      # a dry run on gloo
 
 Each variant is one `torchrun train.py`-style run (this file re-launched under torchrun, building
-the training exactly as train.py does) on 1 or 2 GPUs; after 5 warm-up steps, 3 steps run under
-torch.profiler on rank 0. Per variant it prints:
+the training exactly as train.py does) on 1 or 2 GPUs; after 5 warm-up steps, 5 steps are timed
+as they are, then 3 run under torch.profiler on rank 0. Per variant it prints:
 
-    wall       ms per step (CUDA events around the profiled steps)
+    unprofiled ms per step without the profiler (host clock over 5 queued steps)
+    wall       ms per step of the profiled steps (host clock; the profiler adds its overhead)
     compute    ms per step of kernels other than NCCL's (their union over streams)
     nccl       ms per step of NCCL kernels
     exposed    ms per step when an NCCL kernel runs and no compute kernel does: communication
@@ -96,14 +97,19 @@ def profile_rank(args):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     dist.barrier()
-    n = 3
+    import time
+    began, plain = time.perf_counter(), 5       # the same loop without the profiler
+    for i in range(5, 5 + plain):
+        step(i)
+    sync()
+    plain_ms = (time.perf_counter() - began) * 1e3 / plain
+    n, first = 3, 5 + plain
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) if pgm.global_rank == 0 else \
             contextlib.nullcontext() as prof:
-        import time
         began = time.perf_counter()
-        for i in range(5, 5 + n):
+        for i in range(first, first + n):
             step(i)
         sync()
         wall_ms = (time.perf_counter() - began) * 1e3 / n
@@ -115,7 +121,7 @@ def profile_rank(args):
                     (e.time_range.start, e.time_range.end))
         buckets = len(getattr(grads, "buckets", []))
         print("RESULT " + json.dumps({
-            "wall_ms": wall_ms, "compute_ms": union_ms(compute) / n,
+            "plain_ms": plain_ms, "wall_ms": wall_ms, "compute_ms": union_ms(compute) / n,
             "nccl_ms": union_ms(comm) / n, "exposed_ms": exposed_ms(comm, compute) / n,
             "launched": f"{min(during_backward[-n:])}/{buckets}",
             "peak_gb": (torch.cuda.max_memory_allocated() / 2 ** 30
@@ -138,7 +144,7 @@ def run_variant(args, name):
         path = create_config.main(
             ["--out_dir", out, "--exp_name", name, "--model_name", args.model, "--mbs",
              str(args.mbs), "--seq_len", str(args.seq), "--dataset_name", "synthetic",
-             "--total_train_steps", "8", "--set", "training.dtype=bfloat16",
+             "--total_train_steps", "16", "--set", "training.dtype=bfloat16",
              "--set", "training.master_weights=false", "--set", "checkpoint.save_frequency=0"]
             + (["--use_cpu"] if args.cpu else []) + flags)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
@@ -178,7 +184,8 @@ def main():
         else:
             base = r["compute_ms"] if name == "1gpu" else base
             slow = r["compute_ms"] / base if base else float("nan")
-            line = (f"{name:20s} wall {r['wall_ms']:7.1f} ms  compute {r['compute_ms']:7.1f}  "
+            line = (f"{name:20s} unprofiled {r['plain_ms']:7.1f} ms  profiled: wall "
+                    f"{r['wall_ms']:7.1f}  compute {r['compute_ms']:7.1f}  "
                     f"nccl {r['nccl_ms']:6.1f}  exposed {r['exposed_ms']:5.1f}  slowdown "
                     f"{slow:5.3f}  launched {r['launched']:>6s}  peak {r['peak_gb']:5.1f} GB")
         print(line, flush=True)
