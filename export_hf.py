@@ -10,7 +10,7 @@ one (parallel_residual with layernorm) as CohereForCausalLM (picotron/hf_cohere.
 import argparse
 import sys
 
-from picotron.checkpoint import CheckpointError, resolve_checkpoint
+from picotron.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.data import DataError
 from picotron.hf_io import export_hf
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        path = resolve_checkpoint("latest", args.checkpoint, ".") or args.checkpoint
+        path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         print(export_hf(path, args.out, args.tokenizer))
     except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

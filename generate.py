@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from picotron.checkpoint import CheckpointError, resolve_checkpoint
+from picotron.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.data import DataError
 from picotron.generate import load_for_inference, sample
 from picotron.tokenizer import load_tokenizer, tokenizer_source
@@ -48,7 +48,7 @@ def main(argv=None):
     if args.device == "cpu":
         set_cpu_threads(1)           # one process: every core this machine lets it use
     try:
-        path = resolve_checkpoint("latest", args.checkpoint, ".") or args.checkpoint
+        path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         model, config = load_for_inference(path, args.device)
         tokenizer = load_tokenizer(tokenizer_source(config))
     except (CheckpointError, DataError) as e:

@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from picotron.async_save import CheckpointSaver
 from picotron.checkpoint_changes import check_model_shape, check_resume
-from picotron.checkpoint_verify import directory_problems
+from picotron.checkpoint_verify import STATE_FILE, directory_problems
 from picotron.shards import (CheckpointError, index_shards, load_full_weights,  # noqa: F401
                              read_slice, shard_metadata, slice_bounds)
 
@@ -107,6 +107,20 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
 def resolve_checkpoint(load_path: str, save_root: str, run_dir: str):
     """The directory find_checkpoint picks (one process), or None."""
     return find_checkpoint(load_path, save_root, run_dir)[0]
+
+
+def checkpoint_to_read(path: str) -> str:
+    """The verified step directory that `path` names for generate.py and export_hf.py: a step_*
+    directory itself (refused if any file is missing, unlisted or damaged), or a checkpoints
+    folder's latest valid checkpoint (bad newer ones skipped and named)."""
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return find_checkpoint(os.path.abspath(path), path, ".")[0]
+    found = resolve_checkpoint("latest", path, ".")
+    if found is None:
+        raise CheckpointError(f"'{path}' is neither a checkpoint (a step_* directory with a "
+                              f"{STATE_FILE}) nor a folder of them; give e.g. "
+                              f"tmp/debug/checkpoints or tmp/debug/checkpoints/step_000200")
+    return found
 
 
 def resume(config, run_dir: str, model, optimizer, pgm, data) -> tuple:

@@ -276,3 +276,4 @@ def test_every_change_a_resume_can_report_can_be_allowed():
         assert getattr(b.dataset, field) != value
     names = set(run_changes(a, b, 10, 11)) | set(run_changes(a, a, 10, 11))
     assert names == set(RESUME_CHANGES)
+

@@ -1,0 +1,30 @@
+"""generate.py and export_hf.py read only verified checkpoints, as a resume does
+(tests/test_checkpoint_integrity.py checks the verification itself)."""
+import os
+
+import pytest
+
+from picotron.checkpoint import CheckpointError
+from test_checkpoint_integrity import flip, saved  # noqa: F401  (saved: the fixture)
+
+
+def test_generate_and_export_read_only_verified_checkpoints(saved, tmp_path, capsys):
+    """A step directory named to generate.py / export_hf.py is checked like a resume's: a
+    damaged file refuses it by name; a checkpoints folder gives its latest valid one."""
+    import export_hf
+    import generate
+    from picotron.checkpoint import checkpoint_to_read
+    _, root = saved
+    step3 = os.path.join(root, "step_000003")
+    assert checkpoint_to_read(step3) == os.path.abspath(step3)
+    flip(os.path.join(step3, "weights-pp0-tp0.safetensors"))
+    for main, extra in ((generate.main, ["--max_new_tokens", "2"]),
+                        (export_hf.main, ["--out", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit) as e:
+            main(["--checkpoint", step3, *extra])
+        assert e.value.code == 2
+        assert "weights-pp0-tp0.safetensors: does not match" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    assert checkpoint_to_read(root) == os.path.join(root, "step_000002")   # 3 is skipped
+    with pytest.raises(CheckpointError, match="neither a checkpoint .* nor a folder of them"):
+        checkpoint_to_read(str(tmp_path))
