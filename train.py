@@ -235,11 +235,11 @@ def main(argv=None):
                 continue
             log.flush()
             if validate:
-                val = validation_loss(model, loss_fn, val_data, config, pgm, device)
-                record = validation_record(step + 1, val, config)   # + bits per byte
-                metrics.write(record)
+                val = validation_record(step + 1, validation_loss(
+                    model, loss_fn, val_data, config, pgm, device), config)  # + bits per byte
+                metrics.write(val)
                 if is_logger:
-                    print(validation_line(record), flush=True)
+                    print(validation_line(val), flush=True)
             if save:
                 with grads.full_parameters():           # ZeRO-3: gathered for the save
                     saved = saver.save(model, optimizer, pgm, config, save_root(config, run_dir),

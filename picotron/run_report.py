@@ -53,11 +53,12 @@ def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) ->
         f.write(json.dumps(record) + "\n")
 
 
-def summary(log, started: float, start_step: int, total_steps: int, val_loss, checkpoint,
+def summary(log, started: float, start_step: int, total_steps: int, val, checkpoint,
             metrics_path: str) -> str:
     """The run's last line: steps, time, tokens, final losses, where its outputs are.
     `log` is the run's StepLog (its last record and token count), `started` the host clock
-    when the loop began, `checkpoint` the last saved directory or None."""
+    when the loop began, `val` the last validation's metrics record or None, `checkpoint`
+    the last saved directory or None."""
     took = time.perf_counter() - started
     steps = total_steps - start_step
     tokens = log.tokens_seen - log.tokens_at_start
@@ -68,8 +69,10 @@ def summary(log, started: float, start_step: int, total_steps: int, val_loss, ch
         parts.append(f"final loss {last['loss']:.4f}")
     if log.skipped_total:
         parts.append(f"{log.skipped_total} steps skipped (non-finite gradient)")
-    if val_loss is not None:
-        parts.append(f"val loss {val_loss:.4f}")
+    if val is not None:
+        parts.append(f"val loss {val['val_loss']:.4f}" + (
+            f" ({val['val_bits_per_byte']:.4f} bits per byte)" if "val_bits_per_byte" in val
+            else ""))
     parts.append(f"checkpoint {checkpoint}" if checkpoint else
                  "no checkpoint (checkpoint.save_final=false and no save_frequency)")
     parts.append(f"metrics {metrics_path}")

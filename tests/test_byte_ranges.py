@@ -102,6 +102,9 @@ def test_the_palm_enwik8_recipe_scaled_down_trains_and_reports_bits_per_byte(xml
         assert math.isclose(r["val_bits_per_byte"], r["val_loss"] / math.log(2), rel_tol=1e-12)
         assert f"val loss {r['val_loss']:.4f} | {r['val_bits_per_byte']:.4f} bits per byte" in out
     assert vals[0]["val_loss"] < math.log(256) + 0.5          # a byte-level model's scale
+    last = vals[-1]                                            # and in the run's summary
+    assert (f"val loss {last['val_loss']:.4f} ({last['val_bits_per_byte']:.4f} bits per byte)"
+            in out.splitlines()[-1])
 
 
 def test_bits_per_byte_only_when_tokens_are_bytes(xml_file, tmp_path):
