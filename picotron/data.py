@@ -203,20 +203,6 @@ def data_state(config, step: int, data) -> dict:
             "num_windows": num, "epoch": next_sample // num if num else 0}
 
 
-def check_data_state(state: dict, config, step: int, data) -> None:
-    """Refuse a resume that would not continue the same sample sequence."""
-    G, num = config.global_batch_size, getattr(data, "num_windows", None)
-    if state["global_batch_size"] != G or state["next_sample"] != step * G:
-        raise DataError(f"the checkpoint was written with a global batch of "
-                        f"{state['global_batch_size']} sequences, this config has {G} (mbs x "
-                        f"grad_acc x dp); resuming would skip or repeat samples: keep the "
-                        f"global batch size, or start a new run from its weights")
-    if state["num_windows"] != num:
-        raise DataError(f"the checkpoint's dataset had {state['num_windows']} windows, this one "
-                        f"has {num}: the data, tokenizer, seq_length or val_samples changed, so "
-                        f"the sample order would differ; resume with the same dataset settings")
-
-
 def micro_batch(data, step: int, micro: int, config, pgm):
     """(inputs, targets), each (micro_batch_size, seq_len), for DP rank pgm.dp_rank's
     micro-batch (one process: `ProcessGroupManager()`).

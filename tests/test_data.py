@@ -13,7 +13,7 @@ from launch import ROOT, free_port, write_config
 from tiny import documents, tiny_tokenizer, write_formats
 from picotron.config import Config
 from picotron.data import (DataError, StepBatches, SyntheticData, build_data, build_train_val,
-                           check_data_state, data_state, micro_batch)
+                           data_state, micro_batch)
 from picotron.process_group_manager import ProcessGroupManager
 
 SEQ = 32
@@ -117,11 +117,9 @@ def test_resume_from_a_saved_data_position_yields_the_next_windows(files):
     stop = steps // 2
     state = json.loads(json.dumps(data_state(c, stop, data)))      # as stored in state.json
     fresh = build_data(c)                                          # a new process
-    check_data_state(state, c, stop, fresh)
+    assert state["next_sample"] == stop * 6 and state["num_windows"] == fresh.num_windows
     assert [step_windows(fresh, c, s) for s in range(stop, steps)] == straight[stop:]
-    c.training.micro_batch_size = 2
-    with pytest.raises(DataError, match="global batch"):
-        check_data_state(state, c, stop, fresh)
+    # a changed batch or dataset is refused at resume: tests/test_checkpoint_integrity.py
 
 
 def test_dp2_on_gloo_splits_each_epoch_exactly_and_tokenizes_once(tmp_path):
