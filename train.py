@@ -32,7 +32,8 @@ from picotron.run_report import describe_run, exit_with_error, record_launch, su
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
-from picotron.utils import MetricsLog, StepValues, lr_at, set_cpu_threads, set_seed
+from picotron.utils import (MetricsLog, StepValues, import_loggers, lr_at, set_cpu_threads,
+                            set_seed)
 from picotron.validation import validation_line, validation_loss, validation_record
 from picotron.watchdog import Watchdog
 
@@ -183,6 +184,7 @@ def main(argv=None):
     set_seed(t.seed)
     run_dir = config.logging.run_dir or os.path.dirname(os.path.abspath(args.config))
     check_output_dirs(config, run_dir)     # a folder that cannot be written: refused now
+    import_loggers(config)                 # and a logger whose package is missing
     watchdog = Watchdog(config)            # a dead or frozen rank, a dead launcher, SIGTERM
     watchdog.start()
     is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0

@@ -57,6 +57,29 @@ def peak_flops(device) -> float:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+def import_loggers(config) -> dict:
+    """{"wandb": the module, "tensorboard": its SummaryWriter} for the loggers the config turns
+    on; a package that cannot be imported is refused (MissingPackage). train.py calls it on
+    every rank before building anything (a large model builds for minutes, and only the
+    logging rank would meet the error), MetricsLog again to use them."""
+    found = {}
+    if config.logging.use_wandb:
+        try:
+            import wandb
+        except ImportError as e:
+            raise MissingPackage("logging.use_wandb=true", "wandb (`pip install wandb`)",
+                                 "or set it to false", e) from None
+        found["wandb"] = wandb
+    if config.logging.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise MissingPackage("logging.tensorboard=true", "tensorboard (`pip install "
+                                 "tensorboard`)", "or set it to false", e) from None
+        found["tensorboard"] = SummaryWriter
+    return found
+
+
 class MetricsLog:
     """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank),
     to Weights & Biases when `logging.use_wandb` is set, and to TensorBoard event files in
@@ -82,22 +105,14 @@ class MetricsLog:
                             and json.loads(line)["step"] <= keep_until_step]
             with open(path, "w") as f:
                 f.writelines(kept)
-        if enabled and config is not None and config.logging.use_wandb:
-            try:
-                import wandb
-            except ImportError as e:
-                raise MissingPackage("logging.use_wandb=true", "wandb (`pip install wandb`)",
-                                     "or set it to false", e) from None
-            self.wandb = wandb.init(project=config.logging.project_name,
-                                    name=config.logging.run_name, config=config.to_dict())
-        if enabled and config is not None and config.logging.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise MissingPackage("logging.tensorboard=true", "tensorboard (`pip install "
-                                     "tensorboard`)", "or set it to false", e) from None
+        loggers = import_loggers(config) if enabled and config is not None else {}
+        if "wandb" in loggers:
+            self.wandb = loggers["wandb"].init(project=config.logging.project_name,
+                                               name=config.logging.run_name,
+                                               config=config.to_dict())
+        if "tensorboard" in loggers:
             # purge_step: events of the steps a resumed run writes again are hidden
-            self.tensorboard = SummaryWriter(
+            self.tensorboard = loggers["tensorboard"](
                 os.path.join(os.path.dirname(path) or ".", "tensorboard"),
                 purge_step=keep_until_step + 1 if keep_until_step else None)
 

@@ -128,6 +128,12 @@ def test_tensorboard_missing_is_named_with_its_fix(tmp_path, monkeypatch):
         MetricsLog(str(tmp_path / "metrics.jsonl"), True, config)
     MetricsLog(str(tmp_path / "metrics.jsonl"), True, Config())        # off: not imported
     assert not os.path.exists(tmp_path / "tensorboard")
+    # train.py says so before it builds anything (minutes for a large model)
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "tb", "--use_cpu",
+                               "--set", "logging.tensorboard=true"])
+    monkeypatch.setattr(train, "build_training", lambda *a: pytest.fail("built first"))
+    with pytest.raises(MissingPackage, match="logging.tensorboard=true needs tensorboard"):
+        train.main(["--config", path])
 
 
 def test_plot_draws_two_runs_at_the_asked_size(real_run, fake_gpu_run, tmp_path, capsys):
