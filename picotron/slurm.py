@@ -60,6 +60,11 @@ def slurm_problems(args, world_size: int, tp: int, cp: int) -> list:
     problems = [f"--{f} must be at least 1, got {getattr(args, f)}"
                 for f in ("nodes", "gpus_per_node", "cpus_per_task")
                 if getattr(args, f) is not None and getattr(args, f) < 1]
+    run_dir = os.path.abspath(os.path.join(args.out_dir, args.exp_name))
+    if any(c.isspace() for c in run_dir):       # #SBATCH lines are split at white space
+        problems.append(f"the run folder {run_dir!r} holds white space, which the script's "
+                        f"#SBATCH --job-name/--output lines cannot carry; choose --out_dir "
+                        f"and --exp_name without spaces")
     if not 1 <= args.rdzv_port <= 65535:
         problems.append(f"--rdzv_port must be a port (1-65535), got {args.rdzv_port}")
     if not TIME.match(args.time):

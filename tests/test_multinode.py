@@ -104,6 +104,8 @@ def test_slurm_script_matches_the_config(tmp_path, capsys):
      "--nodes, --gpus_per_node apply only with --slurm"),
     (["--dp", "2", "--slurm", "--nodes", "2"], "--slurm needs --gpus_per_node, --partition, "
                                                 "--time"),
+    (["--dp", "4", "--nodes", "1", "--gpus_per_node", "4", "--exp_name", "my run"] + SLURM,
+     "holds white space, which the script's #SBATCH --job-name/--output lines cannot carry"),
 ])
 def test_create_config_refuses_an_allocation_that_does_not_fit(tmp_path, capsys, flags,
                                                                message):
