@@ -29,7 +29,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -130,14 +129,9 @@ def profile_rank(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(args, name):
     import create_config
+    from multi_gpu import free_port
     gpus, flags = VARIANTS[name]
     out = os.path.join(args.out, "runs")
     with contextlib.redirect_stdout(io.StringIO()):

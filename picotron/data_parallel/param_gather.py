@@ -42,7 +42,7 @@ class ParamGather:
         self.overlap = overlap
         self.pending = {}          # bucket index -> (async work, the shard it sends)
         self.launch_order = []     # bucket indices, first used first (root's, then blocks')
-        self.wait_log = []         # bucket indices in the order forwards waited (tests)
+        self.wait_log = []         # this step's waits, bucket indices in order (tests)
         index = {id(b): i for i, b in enumerate(buckets)}
 
         def bucket_ids(params):
@@ -72,6 +72,7 @@ class ParamGather:
 
     def start(self):
         """Launch every bucket's all-gather of the updated shards, first-used first."""
+        self.wait_log = []                              # one step's, not the run's
         for i in self.launch_order:
             bucket = self.buckets[i]
             start = self.shard_index * bucket.shard_numel   # the output overwrites the input

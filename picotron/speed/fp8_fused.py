@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.speed import fp8_quantize
+import picotron.speed.fp8_quantize as fp8_quantize
 from picotron.speed.fp8_cast import FORMATS, _fp8_round
 from picotron.speed.triton_swiglu import _swiglu_grads, _swiglu_h
 

@@ -33,7 +33,7 @@ def use_kernels(x) -> bool:
 def _kernels():
     """fp8_cast, imported at first use on a GPU: the plug-ins import this module on machines
     without Triton too."""
-    from picotron.speed import fp8_cast
+    import picotron.speed.fp8_cast as fp8_cast   # the module itself, not the package's init
     return fp8_cast
 
 
