@@ -98,8 +98,18 @@ def cached_materialize(model, seed, device, dtype, std=0.02):
     return model
 
 
+def shape_model(shape):
+    """A preset's model section; "NAME@L" keeps its first L decoder layers (a shape too large
+    for one GPU, e.g. Llama-3-8B@8, measured per layer)."""
+    name, _, layers = shape.partition("@")
+    model = resolve_model(name)
+    if layers:
+        model["num_hidden_layers"] = int(layers)
+    return model
+
+
 def base_config(shape, mbs, seq):
-    return {"model": resolve_model(shape),
+    return {"model": shape_model(shape),
             "training": {"micro_batch_size": mbs, "seq_length": seq, "dtype": "bfloat16",
                          "use_fused_adam": True, "total_train_steps": 1000, "warmup_steps": 1},
             "dataset": {"name": "synthetic"}}
@@ -137,7 +147,7 @@ def hf_runner(shape, mbs, seq, liger, ckpt):
     if liger:           # patches the Llama module: this process runs one row only
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
-    m = resolve_model(shape)
+    m = shape_model(shape)
     cfg = LlamaConfig(**{k: v for k, v in m.items() if k != "name"},
                       attn_implementation="sdpa", use_cache=False)
     with torch.device("cuda"):

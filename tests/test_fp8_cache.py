@@ -1,5 +1,6 @@
 """training.fp8's weight cache (picotron/speed/fp8_weights.py) and the "rowwise_bf16_dw" recipe,
-on CPU.
+on the GPU where there is one, else on CPU (our Triton kernels in the interpreter there:
+tests/conftest.py sets it only on machines without a GPU).
 
 - each FP8 module casts its weight once per optimizer step: one cast for two micro-batches'
   forwards and backwards (with and without recomputation, our kernels or torch's), and the
@@ -12,12 +13,15 @@ on CPU.
 """
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from launch import write_config
 from picotron.model import Decoder
 from picotron.speed import apply_speed
 from picotron.speed.fp8 import fp8_linear
 from test_fp8 import fp8_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def caches(model):
@@ -31,7 +35,7 @@ def build(recipe, kernels, checkpointing):
     config = fp8_config(recipe, kernels=kernels)
     config.training.activation_checkpointing = checkpointing
     torch.manual_seed(1)
-    model, _ = apply_speed(Decoder(config.model), causal_lm_loss, config)
+    model, _ = apply_speed(Decoder(config.model).to(DEVICE), causal_lm_loss, config)
     return model, causal_lm_loss
 
 
@@ -52,38 +56,48 @@ def test_one_cast_per_step_and_the_same_numbers(recipe, kernels, checkpointing):
     if kernels == "triton":
         pytest.importorskip("triton")
     ids = torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(DEVICE)
     results = []
-    for cached in (True, False):
-        model, loss_fn = build(recipe, kernels, checkpointing)
-        found = caches(model)
-        if not cached:
-            for name, m in model.named_modules():
-                if name in found:
-                    m.fp8_cache = None
-        losses = []
-        for mb in ids:
-            loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
-            loss.backward()
-            losses.append(loss.detach())
-        if cached:
-            used = {n: c for n, c in found.items() if c.casts}
-            assert sorted(used) == sorted(f"layers.{i}.{name}" for i in range(2)
-                                          for name in USED[kernels])
-            assert {n: c.casts for n, c in used.items()} == {n: 1 for n in used}
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(0.5)                         # in place: every version moves on
-            losses.append(loss_fn(model(ids[0, :, :-1]), ids[0, :, 1:]).detach())
-            assert {n: c.casts for n, c in used.items()} == {n: 2 for n in used}
-        else:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(0.5)
-            losses.append(loss_fn(model(ids[0, :, :-1]), ids[0, :, 1:]).detach())
-        results.append((losses, [p.grad for p in model.parameters()]))
+    # the math attention on a GPU: flash / cuDNN attention's backward accumulates with atomics,
+    # so two identical backwards differ in the last bits there, cache or not
+    with sdpa_kernel(SDPBackend.MATH):
+        for cached in (True, False):
+            results.append(two_micro_batches(recipe, kernels, checkpointing, ids, cached))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert all(torch.equal(a, b) for a, b in zip(loss_a, loss_b)), (loss_a, loss_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def two_micro_batches(recipe, kernels, checkpointing, ids, cached):
+    """(losses, gradients) of two micro-batches and a forward after an in-place update, with
+    or without the weight caches; with them, the cast counts are checked on the way."""
+    model, loss_fn = build(recipe, kernels, checkpointing)
+    found = caches(model)
+    if not cached:
+        for name, m in model.named_modules():
+            if name in found:
+                m.fp8_cache = None
+    losses = []
+    for mb in ids:
+        loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
+        loss.backward()
+        losses.append(loss.detach())
+    if cached:
+        used = {n: c for n, c in found.items() if c.casts}
+        assert sorted(used) == sorted(f"layers.{i}.{name}" for i in range(2)
+                                      for name in USED[kernels])
+        assert {n: c.casts for n, c in used.items()} == {n: 1 for n in used}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)                         # in place: every version moves on
+        losses.append(loss_fn(model(ids[0, :, :-1]), ids[0, :, 1:]).detach())
+        assert {n: c.casts for n, c in used.items()} == {n: 2 for n in used}
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        losses.append(loss_fn(model(ids[0, :, :-1]), ids[0, :, 1:]).detach())
+    return losses, [p.grad for p in model.parameters()]
 
 
 @pytest.mark.parametrize("fused_adam", [False, True])
@@ -100,8 +114,9 @@ def test_the_optimizer_step_recasts(tmp_path, fused_adam):
     path = write_config(tmp_path, "fp8", ["--mbs", "2", "--seq_len", "32", "--grad_acc_steps",
                                           "2", "--total_train_steps", "3"])
     runs = []
+    gpu = [] if DEVICE == "cpu" else ["distributed.use_cpu=false"]
     for cached in (True, False):
-        config, pgm, device = train.setup(path)
+        config, pgm, device = train.setup(path, gpu)
         config.training.fp8 = "rowwise"
         model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
         if fused_adam:
@@ -122,12 +137,14 @@ def test_the_optimizer_step_recasts(tmp_path, fused_adam):
 
 
 def test_rowwise_bf16_dw_is_rowwise_with_an_exact_weight_gradient():
-    """y and dx as rowwise gives them, bit for bit; dW = dy^T x as the plain product (fp32
-    here), the same for both fused weights."""
+    """y and dx as rowwise gives them, bit for bit; dW = dy^T x as the plain product (fp32 on
+    CPU; bf16 on the GPU, where row-scaled FP8 GEMMs write bf16 only), the same for both fused
+    weights."""
     torch.manual_seed(0)
-    x, dy = torch.randn(3, 16, 64), torch.randn(3, 16, 80)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    x, dy = (torch.randn(3, 16, c, device=DEVICE).to(dtype) for c in (64, 80))
     x[0, 3] *= 50
-    ws = [0.05 * torch.randn(48, 64), 0.05 * torch.randn(32, 64)]
+    ws = [(0.05 * torch.randn(o, 64, device=DEVICE)).to(dtype) for o in (48, 32)]
     out = {}
     for recipe in ("rowwise", "rowwise_bf16_dw"):
         xs, wss = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]

@@ -16,17 +16,19 @@ transposed operands and then fell back to eager) and each reads x as few times a
 - `_cast`: given the amax, one pass writing q, q^T or both from one read of x (tensorwise,
   where one scale serves both layouts), and the scales the GEMM takes.
 
-Rounding. Each kernel rounds x / scale onto the FP8 grid in fp32 itself (`_fp8_round`:
-saturate at the format's max, then add and subtract 1.5 * 2^23 * step, which fp32 addition
-rounds to a multiple of the step, ties to even), so the conversion to FP8 that follows is
-exact. The GPU's own conversion also rounds to nearest even, so on the GPU this costs a few
-ALU operations in a memory-bound kernel and gives the same bits; it is there for Triton's
-CPU interpreter, whose conversion to FP8 rounds ties away from zero and drops the carry
-into the exponent (125.6 became 64), so that the tests can compare these kernels with
-fp8_quantize.reference bit for bit on CPU.
-
-Scales are amax * (1 / fp8_max) with amax clamped at 1e-12, and x / scale a correctly rounded
-division, exactly as the reference computes them.
+Scaling and rounding. Scales are amax * (1 / fp8_max) with amax clamped at 1e-12, and x is
+multiplied by the scale's correctly rounded reciprocal (one division per scale, not per
+value), exactly as fp8_quantize.reference computes them. On the GPU the conversion to FP8
+rounds to nearest even and saturates by itself, so a kernel clamps and converts: a few
+operations a value, which matters here, since these kernels move 4 bytes a value and a
+division plus a rounding in fp32 (~25 operations) made them ALU-bound at 55% of the copy
+rate (bench/NOTES.md). Triton's CPU interpreter converts wrongly (ties away from zero, and
+the carry into the exponent dropped: 125.6 became 64), so there (EXACT_ROUND, set for CPU
+tensors) `_fp8_round` first rounds the value onto the FP8 grid in fp32 (saturate, then add
+and subtract 1.5 * 2^23 * step, which fp32 addition rounds to a multiple of the step, ties
+to even), and the conversion that follows is exact: the tests compare these kernels with the
+reference bit for bit on CPU, and on the GPU (tests/test_fp8_gpu.py) the hardware's own
+rounding against the same reference.
 """
 import torch
 import triton
@@ -55,8 +57,27 @@ def _fp8_round(v, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.con
 
 
 @triton.jit
+def _scales(amax, FP8_MAX: tl.constexpr):
+    """(scale, 1 / scale) of an fp32 amax (any shape): the dequantization scale the GEMM takes,
+    and the factor each value is multiplied by."""
+    scale = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX)
+    return scale, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _fp8_values(v, EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+                MIN_EXP: tl.constexpr):
+    """v (fp32, x times 1 / scale) ready for the conversion to FP8: saturated at +-FP8_MAX,
+    and with EXACT_ROUND (the interpreter) already rounded onto the FP8 grid."""
+    if EXACT_ROUND:
+        return _fp8_round(v, FP8_MAX, MANTISSA, MIN_EXP)
+    return tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def _rowwise(x_ptr, q_ptr, s_ptr, N, K, stride, AMAX_ONLY: tl.constexpr,
-             FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+             EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+             MIN_EXP: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_M rows: amax over K, then (unless AMAX_ONLY, which stores the amax) the scale and
     q = fp8(x / scale), row by row along K."""
@@ -75,15 +96,15 @@ def _rowwise(x_ptr, q_ptr, s_ptr, N, K, stride, AMAX_ONLY: tl.constexpr,
     if AMAX_ONLY:
         tl.store(s_ptr + rows, amax, mask=row_ok)
     else:
-        scale = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX)
+        scale, inv = _scales(amax, FP8_MAX)
         tl.store(s_ptr + rows, scale, mask=row_ok)
         start = 0
         while start < K:
             cols = start + tl.arange(0, BLOCK_K)
             mask = row_ok[:, None] & (cols < K)[None, :]
             x = tl.load(x_ptr + rows64 * stride + cols[None, :], mask=mask, other=0.0)
-            q = _fp8_round(tl.div_rn(x.to(tl.float32), scale[:, None]), FP8_MAX, MANTISSA,
-                           MIN_EXP)
+            q = _fp8_values(x.to(tl.float32) * inv[:, None], EXACT_ROUND, FP8_MAX, MANTISSA,
+                            MIN_EXP)
             tl.store(q_ptr + rows64 * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
                      mask=mask)
             start += BLOCK_K
@@ -115,7 +136,8 @@ def _amax(x_ptr, out_ptr, N, K, stride, PER_COLUMN: tl.constexpr,
 
 @triton.jit
 def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.constexpr,
-          WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, FP8_MAX: tl.constexpr,
+          WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, EXACT_ROUND: tl.constexpr,
+          FP8_MAX: tl.constexpr,
           MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_K) tile: scale from the given amax (one, per row or per column),
@@ -129,23 +151,21 @@ def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.const
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride + cols[None, :], mask=mask, other=0.0)
     if SCALING == 0:
-        scale = tl.maximum(tl.load(amax_ptr), 1e-12) * (1.0 / FP8_MAX)
-        v = tl.div_rn(x.to(tl.float32), scale)
+        scale, inv = _scales(tl.load(amax_ptr), FP8_MAX)
+        v = x.to(tl.float32) * inv
         if (pid_m == 0) & (pid_k == 0):
             tl.store(s_ptr, scale)
     elif SCALING == 1:
-        scale = tl.maximum(tl.load(amax_ptr + rows, mask=row_ok, other=1.0), 1e-12) \
-            * (1.0 / FP8_MAX)
-        v = tl.div_rn(x.to(tl.float32), scale[:, None])
+        scale, inv = _scales(tl.load(amax_ptr + rows, mask=row_ok, other=1.0), FP8_MAX)
+        v = x.to(tl.float32) * inv[:, None]
         if pid_k == 0:
             tl.store(s_ptr + rows, scale, mask=row_ok)
     else:
-        scale = tl.maximum(tl.load(amax_ptr + cols, mask=col_ok, other=1.0), 1e-12) \
-            * (1.0 / FP8_MAX)
-        v = tl.div_rn(x.to(tl.float32), scale[None, :])
+        scale, inv = _scales(tl.load(amax_ptr + cols, mask=col_ok, other=1.0), FP8_MAX)
+        v = x.to(tl.float32) * inv[None, :]
         if pid_m == 0:
             tl.store(s_ptr + cols, scale, mask=col_ok)
-    q = _fp8_round(v, FP8_MAX, MANTISSA, MIN_EXP)
+    q = _fp8_values(v, EXACT_ROUND, FP8_MAX, MANTISSA, MIN_EXP)
     if WRITE_Q:
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=mask)
@@ -154,9 +174,18 @@ def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.const
                  tl.trans(q).to(qt_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
-ROWWISE_TILE = (8, 256, 4)      # BLOCK_M, BLOCK_K, num_warps: 2K elements a step
-AMAX_TILE = (32, 128, 4)        # 4K elements a step; P = 4 row programs per SM per column block
-CAST_TILE = (64, 64, 4)         # square, so that q^T's stores are as wide as x's loads
+# Tiles measured on an H200 (bench/fp8_cast_tiles.py; bench/NOTES.md), and small ones for the
+# interpreter on CPU, so that the tests' small operands walk every loop, mask and atomic.
+TILES = {   # kernel: (BLOCK_M, BLOCK_K, num_warps) on the GPU, on CPU
+    "rowwise": ((1, 2048, 8), (8, 64, 1)),        # one row: its second read hits L2
+    "amax": ((64, 512, 4), (16, 64, 1)),          # 32K values a step, a 64 KB load in flight
+    "cast": ((128, 128, 4), (32, 32, 1)),         # q and q^T rows 128 bytes: whole lines
+}
+AMAX_PROGRAMS_PER_SM = 8        # row programs per SM per column block: enough loads in flight
+
+
+def _tile(kernel, x):
+    return TILES[kernel][0 if x.is_cuda else 1]
 
 
 def _unit_columns(x):
@@ -166,12 +195,13 @@ def _unit_columns(x):
 def quantize_rows(x, fp8_dtype):
     """(q (N, K), scale (N, 1)): per-row scales, one kernel."""
     x = _unit_columns(x)
-    (N, K), (bm, bk, warps) = x.shape, ROWWISE_TILE
+    (N, K), (bm, bk, warps) = x.shape, _tile("rowwise", x)
     q = torch.empty((N, K), dtype=fp8_dtype, device=x.device)
     scale = torch.empty((N, 1), dtype=torch.float32, device=x.device)
     fp8_max, mantissa, min_exp = FORMATS[fp8_dtype]
     _rowwise[(triton.cdiv(N, bm),)](x, q, scale, N, K, x.stride(0), AMAX_ONLY=False,
-                                    FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp,
+                                    EXACT_ROUND=not x.is_cuda, FP8_MAX=fp8_max,
+                                    MANTISSA=mantissa, MIN_EXP=min_exp,
                                     BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
     return q, scale
 
@@ -181,17 +211,17 @@ def amax(x, scaling: int):
     x = _unit_columns(x)
     N, K = x.shape
     if scaling == ROW:
-        bm, bk, warps = ROWWISE_TILE
+        bm, bk, warps = _tile("rowwise", x)
         out = torch.empty((N, 1), dtype=torch.float32, device=x.device)
         _rowwise[(triton.cdiv(N, bm),)](x, x, out, N, K, x.stride(0), AMAX_ONLY=True,
-                                        FP8_MAX=1.0, MANTISSA=0, MIN_EXP=0,
+                                        EXACT_ROUND=False, FP8_MAX=1.0, MANTISSA=0, MIN_EXP=0,
                                         BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         return out
-    bm, bk, warps = AMAX_TILE
+    bm, bk, warps = _tile("amax", x)
     col_blocks, row_blocks = triton.cdiv(K, bk), triton.cdiv(N, bm)
-    # enough programs to fill the GPU (4 per SM), at least 2 per column block on CPU so the
-    # tests walk the strided loop and the atomics
-    slots = 4 * _sm_count(x.device) if x.is_cuda else 2 * col_blocks
+    # enough programs to fill the GPU, at least 2 per column block on CPU so the tests walk
+    # the strided loop and the atomics
+    slots = AMAX_PROGRAMS_PER_SM * _sm_count(x.device) if x.is_cuda else 2 * col_blocks
     programs = max(1, min(row_blocks, slots // col_blocks))
     bits = torch.zeros((K, 1) if scaling == COLUMN else (), dtype=torch.int32, device=x.device)
     _amax[(col_blocks, programs)](x, bits, N, K, x.stride(0), PER_COLUMN=scaling == COLUMN,
@@ -203,15 +233,16 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
     """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
     returns it; all-reduced already where another rank holds part of what it spans)."""
     x = _unit_columns(x)
-    (N, K), (bm, bk, warps) = x.shape, CAST_TILE
+    (N, K), (bm, bk, warps) = x.shape, _tile("cast", x)
     q = torch.empty((N, K), dtype=fp8_dtype, device=x.device) if rows else None
     qt = torch.empty((K, N), dtype=fp8_dtype, device=x.device) if transposed else None
     scale = torch.empty_like(amax_)
     fp8_max, mantissa, min_exp = FORMATS[fp8_dtype]
     _cast[(triton.cdiv(N, bm), triton.cdiv(K, bk))](
         x, amax_, x if q is None else q, x if qt is None else qt, scale, N, K, x.stride(0),
-        SCALING=scaling, WRITE_Q=rows, WRITE_QT=transposed, FP8_MAX=fp8_max,
-        MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+        SCALING=scaling, WRITE_Q=rows, WRITE_QT=transposed, EXACT_ROUND=not x.is_cuda,
+        FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_M=bm, BLOCK_K=bk,
+        num_warps=warps)
     return q, qt, scale
 
 

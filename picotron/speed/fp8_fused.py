@@ -28,9 +28,10 @@ registers instead would bound I by the register file; this works at any I. TILE 
 a first guess, not measured (bench/bench_fp8.py gemms --fused_tile sweeps it).
 
 Bit for bit: the values cast are the bf16 (gu's dtype) values the unfused kernels store, the
-scale is amax * (1 / fp8_max) with amax clamped at 1e-12, and the rounding is fp8_cast's
-`_fp8_round` of a correctly rounded division: fp8_quantize.reference's rowwise cast of the
-same tensor, scales included (tests/test_fp8_fused.py, on CPU and on the GPU).
+scale and the rounding are fp8_cast's (`_scales`, `_fp8_values`: amax * (1 / fp8_max), each
+value times the scale's reciprocal, saturated, and rounded by the conversion, or by
+`_fp8_round` in the interpreter): fp8_quantize.reference's rowwise cast of the same tensor,
+scales included (tests/test_fp8_fused.py, on CPU and on the GPU).
 
 Handing d(gu)_q to its GEMM. Autograd passes gate/up's linear only the bf16 gradient, so the
 cast travels beside it in a `RowCastHandoff`, made per MLP forward when the fusion applies
@@ -51,7 +52,7 @@ import triton
 import triton.language as tl
 
 import picotron.speed.fp8_quantize as fp8_quantize
-from picotron.speed.fp8_cast import FORMATS, _fp8_round
+from picotron.speed.fp8_cast import FORMATS, _fp8_values, _scales
 from picotron.speed.triton_swiglu import _swiglu_grads, _swiglu_h
 
 FUSED = True
@@ -75,10 +76,11 @@ def _h_tile(gu_rows, cols, n_cols, mask):
 
 @triton.jit
 def _swiglu_fwd_rowwise(gu_ptr, q_ptr, s_ptr, n_rows, n_cols, gu_stride,
-                        FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+                        EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr,
+                        MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS rows of h = silu(gate) * up (gate: columns [0, I) of gu, up: [I, 2I)): pass 1
-    the row amax, pass 2 h again, divided by the row's scale, rounded and stored as FP8."""
+    the row amax, pass 2 h again, times 1 / the row's scale, rounded and stored as FP8."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     gu_rows = gu_ptr + rows.to(tl.int64)[:, None] * gu_stride      # N * 2I may pass 2^31
@@ -89,7 +91,7 @@ def _swiglu_fwd_rowwise(gu_ptr, q_ptr, s_ptr, n_rows, n_cols, gu_stride,
         h = _h_tile(gu_rows, cols, n_cols, row_ok[:, None] & (cols < n_cols)[None, :])
         amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1), propagate_nan=tl.PropagateNan.ALL)
         start += BLOCK
-    scale = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX)
+    scale, inv = _scales(amax, FP8_MAX)
     tl.store(s_ptr + rows, scale, mask=row_ok)
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * n_cols
     start = 0
@@ -97,14 +99,15 @@ def _swiglu_fwd_rowwise(gu_ptr, q_ptr, s_ptr, n_rows, n_cols, gu_stride,
         cols = start + tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         h = _h_tile(gu_rows, cols, n_cols, mask)
-        q = _fp8_round(tl.div_rn(h, scale[:, None]), FP8_MAX, MANTISSA, MIN_EXP)
+        q = _fp8_values(h * inv[:, None], EXACT_ROUND, FP8_MAX, MANTISSA, MIN_EXP)
         tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         start += BLOCK
 
 
 @triton.jit
 def _swiglu_bwd_rowwise(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, n_rows, n_cols, dh_stride,
-                        gu_stride, dgu_stride, STORE_H: tl.constexpr, FP8_MAX: tl.constexpr,
+                        gu_stride, dgu_stride, STORE_H: tl.constexpr,
+                        EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr,
                         MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """ROWS rows: pass 1 is triton_swiglu._swiglu_bwd along the row (d gate and d up stored,
@@ -135,7 +138,7 @@ def _swiglu_bwd_rowwise(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, n_rows, n_cols, d
         amax = tl.maximum(amax, tl.max(tl.abs(dup.to(tl.float32)), axis=1),
                           propagate_nan=tl.PropagateNan.ALL)
         start += BLOCK
-    scale = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX)
+    scale, inv = _scales(amax, FP8_MAX)
     tl.store(s_ptr + rows, scale, mask=row_ok)
     tl.debug_barrier()      # pass 1's stores seen by every thread of this program
     start = 0
@@ -143,8 +146,8 @@ def _swiglu_bwd_rowwise(dh_ptr, gu_ptr, dgu_ptr, q_ptr, s_ptr, n_rows, n_cols, d
         cols = start + tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols < 2 * n_cols)[None, :]
         v = tl.load(dgu_ptr + rows64 * dgu_stride + cols[None, :], mask=mask, other=0.0)
-        q = _fp8_round(tl.div_rn(v.to(tl.float32), scale[:, None]), FP8_MAX, MANTISSA,
-                       MIN_EXP)
+        q = _fp8_values(v.to(tl.float32) * inv[:, None], EXACT_ROUND, FP8_MAX, MANTISSA,
+                        MIN_EXP)
         tl.store(q_ptr + rows64 * (2 * n_cols) + cols[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=mask)
         start += BLOCK
@@ -165,7 +168,7 @@ def swiglu_rowwise(gu2, fp8_dtype=fp8_quantize.E4M3):
     if n > 0:
         grid, tile = _grid_and_tile(n, i2 // 2)
         _swiglu_fwd_rowwise[grid](gu2, q, scale, n, i2 // 2, gu2.stride(0),
-                                  *FORMATS[fp8_dtype], **tile)
+                                  not gu2.is_cuda, *FORMATS[fp8_dtype], **tile)
     return q, scale
 
 
@@ -179,7 +182,7 @@ def swiglu_backward_rowwise(dh2, gu2, dgu2, store_h: bool, fp8_dtype=fp8_quantiz
         grid, tile = _grid_and_tile(n, i2 // 2)
         _swiglu_bwd_rowwise[grid](dh2, gu2, dgu2, q, scale, n, i2 // 2, dh2.stride(0),
                                   gu2.stride(0), dgu2.stride(0), STORE_H=store_h,
-                                  FP8_MAX=FORMATS[fp8_dtype][0],
+                                  EXACT_ROUND=not gu2.is_cuda, FP8_MAX=FORMATS[fp8_dtype][0],
                                   MANTISSA=FORMATS[fp8_dtype][1],
                                   MIN_EXP=FORMATS[fp8_dtype][2], **tile)
     return q, scale

@@ -92,11 +92,13 @@ def reference_scale(amax, fp8_dtype):
 
 
 def reference(x, fp8_dtype, scaling: str, amax, rows: bool = True, transposed: bool = False):
-    """quantize's cast in torch, given the amax: scale, then fp8(x / scale) with a clamp that
-    keeps a round-up past the max off NaN (e4m3fn has no infinity)."""
+    """quantize's cast in torch, given the amax: scale, then fp8(x * (1 / scale)) with a clamp
+    that keeps a round-up past the max off NaN (e4m3fn has no infinity). A product by the
+    scale's reciprocal, as our kernels compute it (one division per scale, not per value)."""
     scale = reference_scale(amax, fp8_dtype)
     fp8_max = FP8_MAX[fp8_dtype]
-    q = (x.float() / (scale.reshape(1, -1) if scaling == "column" else scale))
+    inv = torch.ones_like(scale) / scale                # correctly rounded, as the kernels'
+    q = (x.float() * (inv.reshape(1, -1) if scaling == "column" else inv))
     q = q.clamp(-fp8_max, fp8_max).to(fp8_dtype)
     return (q.contiguous() if rows else None, q.t().contiguous() if transposed else None,
             scale)
