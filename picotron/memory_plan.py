@@ -101,8 +101,10 @@ def state_rows(config, params: Params) -> list:
                 Row("gradient buffers", numel * g, grads_when, f"{numel:,} x {g} B")]
         if d.zero_stage == 2 and shards > 1:
             rows.append(Row("ZeRO-2 gradient shard", shard * g, "step", f"{shard:,.0f} x {g} B"))
-        if cast:           # every bucket's bf16 copy (and ZeRO-2 shard) until the last wait
-            wire = numel + (shard if d.zero_stage == 2 else 0)
+        if d.zero_stage == 1 and shards > 1 and not cast:   # reduce-scattered beside the buffer
+            rows.append(Row("ZeRO-1 reduced shard", shard * g, "step", f"{shard:,.0f} x {g} B"))
+        if cast:           # every bucket's bf16 copy (and ZeRO-1/2 shard) until the last wait
+            wire = numel + (shard if d.zero_stage >= 1 and shards > 1 else 0)
             rows.append(Row("bf16 gradients on the wire", wire * 2, "step", f"{wire:,.0f} x 2 B"))
     # torch's foreach AdamW (the reference: on CPU, or without use_fused_adam) makes one
     # temporary of the moments' dtype (the second moment's sqrt), holds each gradient as a

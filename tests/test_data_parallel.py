@@ -109,6 +109,15 @@ def test_zero_shards_optimizer_state_and_gradients(measured):
     assert 0.45 < measured["zero1_offload_half"]["offloaded_frac"] < 0.75
 
 
+def test_zero_reduces_only_the_owned_shards(measured):
+    """ZeRO-1 and 2 reduce-scatter (each rank receives the sum of its own shard, the only one
+    its optimizer reads: half an all-reduce's bytes); without ZeRO every rank needs the whole
+    sum: an all-reduce. Their parity with one process is test_dp_matches_single_process."""
+    assert measured["zero0"]["reductions"] == ["all_reduce"]
+    assert measured["zero1"]["reductions"] == ["reduce_scatter"]
+    assert measured["zero2"]["reductions"] == ["reduce_scatter"]
+
+
 def test_fp16_loss_scaler_skips_and_recovers():
     s = DynamicLossScaler(True, initial_scale=1024.0, window=3)
     s.update(overflow=True)

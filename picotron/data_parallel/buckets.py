@@ -40,9 +40,13 @@ asynchronously, so communication overlaps the rest of backward (PyTorch DDP, Li 
 `finish()` waits for what is still in flight.
 
 ZeRO (Rajbhandari et al. 2020): with zero_stage >= 1 each bucket is cut into cp_dp equal shards
-and rank r owns shard r. Stage 1 all-reduces the whole buffer and the optimizer reads its shard;
-stage 2 reduce-scatters, so each rank receives only the sum of its own shard, and the full
-buffer is freed until the next backward.
+and rank r owns shard r, and the reduction is a reduce-scatter: each rank receives only the sum
+of its own shard, the only part its optimizer reads (an all-reduce would also bring every
+other shard's sum, twice the bytes: a ring all-reduce is a reduce-scatter then an
+all-gather). Stage 1 copies that sum into its slice of the buffer, which lives until
+zero_grad() as at stage 0 (the other slices keep this rank's own unreduced gradients, which
+nothing reads); stage 2 keeps only the shard, and the full buffer is freed until the next
+backward.
 
 Buckets are homogeneous in what the optimizer and the norm need to know: weight decay or not,
 sharded across TP or replicated (`local_slice`), counted in the grad norm or not
@@ -235,7 +239,7 @@ class GradBuckets:
             return
         grads.div_(self.size)
         bucket.wire = grads.to(self.wire_dtype)     # `grads` itself when the dtypes agree
-        if self.zero_stage == 2:
+        if self.zero_stage >= 1:
             bucket.wire_shard = torch.empty(bucket.shard_numel, dtype=self.wire_dtype,
                                             device=grads.device)
             bucket.work = reduce_scatter_single(bucket.wire_shard, bucket.wire,
@@ -267,6 +271,9 @@ class GradBuckets:
                 b.grads = None           # only the owned shard survives until the next step
                 for p in b.members:
                     p.main_grad = None
+            elif b.wire_shard is not None:           # ZeRO-1: the sum into the owned slice
+                start = self.shard_index * b.shard_numel
+                b.grads[start:start + b.shard_numel].copy_(b.wire_shard)
             elif b.wire is not None and b.wire is not b.grads:
                 b.grads.copy_(b.wire)    # the bf16 sum back into the fp32 buffer
             b.wire, b.wire_shard = None, None

@@ -3,6 +3,7 @@
 For zero_stage 0, 1 and 2 it builds the model, runs one backward with bucketed reduction,
 and records (rank 0 writes JSON to argv[1]):
 - launch_log: (bucket index, gradients produced so far) at each reduction launch;
+- reductions: the collectives the buckets were reduced with;
 - the number of parameters (gradients produced in a full backward);
 - optimizer state bytes and gradient bytes this rank holds at step time;
 - how many of (model, buckets, optimizer, a weight, a bucket) are still alive once dropped."""
@@ -40,15 +41,24 @@ def measure(zero_stage, offload, dtype="float32", master_weights=True, overlap=T
     optimizer = DistributedAdamW(grads, pgm, config)
     inputs, targets = micro_batch(build_data(config), 0, 0, config, pgm)
     grads.sync = True
-    causal_lm_loss(model(inputs), targets).backward()
-    grads.finish()
+    kinds, launch = set(), GradBuckets._launch
+
+    def spy(self, bucket):        # which collective each bucket's reduction was
+        launch(self, bucket)
+        kinds.add("reduce_scatter" if bucket.wire_shard is not None else "all_reduce")
+    GradBuckets._launch = spy
+    try:
+        causal_lm_loss(model(inputs), targets).backward()
+        grads.finish()
+    finally:
+        GradBuckets._launch = launch
     grad_bytes = sum(4 * (b.numel if b.grads is not None else 0)
                      + 4 * (b.grad_shard.numel() if b.grad_shard is not None else 0)
                      for b in grads.buckets)
     optimizer.step(1e-3)
     offloaded = sum(b.shard_numel for b, o in zip(grads.buckets, optimizer.offloaded) if o)
     result = {"bytes_per_param": optimizer.state_bytes() / sum(b.shard_numel for b in grads.buckets),
-            "launch_log": grads.launch_log, "num_params": len(list(model.parameters())),
+            "launch_log": grads.launch_log, "reductions": sorted(kinds), "num_params": len(list(model.parameters())),
             "num_buckets": len(grads.buckets), "state_bytes": optimizer.state_bytes(),
             "grad_bytes": grad_bytes, "offloaded_frac": offloaded / sum(
                 b.shard_numel for b in grads.buckets)}
