@@ -13,11 +13,12 @@ seq tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs,
 recipe (tensorwise, rowwise, rowwise_bf16_dw) against bf16 (fused_linear / F.linear, the path
 model.kernels=triton runs); then "mlp": gate/up, the SwiGLU and down as one, as "selective"
 runs it (fp8_triton.fp8_swiglu_mlp against fused_linear + swiglu_linear), the row where the
-row-scaled recipes' casts fused into the SwiGLU kernels (fp8_fused.py) show, and "layer mlp",
+casts (row-scaled) or amaxes (tensorwise) fused into the SwiGLU kernels (fp8_fused.py) show,
+and "layer mlp",
 the layer's total with that row for gate/up and down. Columns (`--variants` picks some):
 - "cached": fp8_linear as training runs it: our cast kernels (fp8_cast.py), the weights' FP8
   copies from a warm Fp8WeightCache (every micro-batch but a step's first), and in the mlp
-  row the casts fused into the SwiGLU kernels where the recipe is row-scaled;
+  row the casts (row-scaled) or the amaxes (tensorwise) fused into the SwiGLU kernels;
 - "unfused" (mlp row only): "cached" with fp8_fused.FUSED off: the separate cast kernels;
 - "per use": our cast kernels, the weights cast at every use (a step's first micro-batch);
 - "compiled": the casts as before our kernels: fp8_quantize's reference amax and cast, each
@@ -34,7 +35,7 @@ micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its
   "ours fp8 tensorwise compile"    the same with training.fp8=tensorwise
   "ours fp8 rowwise compile"       the same with training.fp8=rowwise
   "hf+liger"                       transformers + liger-kernel, bf16: the ratios' reference
-The fp8 rows run the casts fused into the SwiGLU kernels, as training does (row-scaled recipes).
+The fp8 rows run the casts (or amaxes) fused into the SwiGLU kernels, as training does.
 A label ending in " fp32-master" keeps fp32 master weights and AdamW moments; one ending in
 " compiled casts" (before it) runs the previous casts: torch.compile'd, weights cast per use;
 one ending in " unfused casts" (before those) turns fp8_fused.FUSED off: the separate casts.

@@ -1,14 +1,15 @@
-"""The rowwise FP8 casts fused into the SwiGLU kernels (picotron/speed/fp8_fused.py) against
-the unfused path, bit for bit, on CPU through Triton's interpreter (tests/conftest.py):
+"""The FP8 casts fused into the SwiGLU kernels (picotron/speed/fp8_fused.py) against the
+unfused path, bit for bit, on CPU through Triton's interpreter (tests/conftest.py):
 
 - the kernels: h's cast (forward) and d(gu)'s cast (backward) equal fp8_quantize.reference's
   rowwise cast of what the unfused kernels write, values and scales, and the backward still
   writes that d(gu) (in place or not) and h (or leaves dh alone); bf16 and fp32, masked tails,
-  several row blocks, a strided gu, zero and tiny rows;
+  several row blocks, a strided gu, zero and tiny rows; the amaxes the SwiGLU kernels take
+  for tensorwise scales equal torch's amax of what they write, a NaN included;
 - the FP8 MLP of model.kernels="triton" under "selective" (Fp8TritonMLP: gate/up linear, then
-  the recomputing SwiGLU + down projection), both row-scaled recipes: output and every
-  gradient with the fusion equal those without it, and the fused casts really ran (the
-  gradient's cast was handed over and taken).
+  the recomputing SwiGLU + down projection), every recipe: output and every gradient with the
+  fusion equal those without it, and the fused casts really ran (the gradient's cast or
+  amax was handed over and taken).
 tests/test_fp8_gpu.py runs both checks on the GPU at a 1.7B MLP's widths.
 """
 import pytest
@@ -85,6 +86,31 @@ def test_fused_swiglu_casts_are_the_reference(monkeypatch, dtype, tile):
     assert_fused_casts_are_the_reference(gu, dh)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_swiglu_kernels_take_the_tensor_amax(dtype):
+    """tensorwise: the amax the SwiGLU kernels take of h (forward) and of d(gu) (backward) is
+    torch's amax of what they write, which they still write bit for bit; a NaN in dh gives a
+    NaN amax (no cast may hide it)."""
+    gu2, dh2 = swiglu_operands(9, 72, dtype)
+    recipe = fp8_triton.recipe_of("tensorwise")
+    h = _swiglu_forward(gu2)
+    h_q, h_s, amax = fp8_fused.swiglu_cast(gu2, recipe)
+    assert torch.equal(amax, h.abs().amax().float())
+    assert_same((h_q, None, h_s), reference(h, E4M3, "tensor", amax), "h's tensorwise cast")
+    for nan in (False, True):
+        dh = dh2.clone()
+        if nan:
+            dh[5, 7] = float("nan")
+        dgu, want = torch.empty_like(gu2), torch.empty_like(gu2)
+        _swiglu_backward(dh.clone(), gu2, want, store_h=True)
+        got = fp8_fused.swiglu_backward_cast(dh, gu2, dgu, recipe, store_h=True)[0]
+        assert same_bits(dgu.nan_to_num(), want.nan_to_num())
+        if nan:
+            assert got.isnan()
+        else:
+            assert torch.equal(got, want.abs().amax().float())
+
+
 def fp8_mlp(recipe, device=DEVICE, dtype=torch.float32, hidden=64, inter=96):
     """Layer 0's MLP of a model with our kernels, FP8 `recipe` and "selective": an
     Fp8TritonMLP running the recomputing SwiGLU + down projection."""
@@ -105,12 +131,13 @@ def fp8_mlp(recipe, device=DEVICE, dtype=torch.float32, hidden=64, inter=96):
 
 def assert_fused_mlp_is_unfused(monkeypatch, mlp, x, dy):
     """mlp(x) and its gradients (x, gate, up, down) with fp8_fused.FUSED on and off: bitwise
-    equal; with it on, h's cast came from swiglu_rowwise and d(gu)'s was handed over."""
+    equal; with it on, h's cast came from swiglu_cast and d(gu)'s was handed over."""
     taken, made = [], []
-    take, make = fp8_fused.RowCastHandoff.take, fp8_triton.swiglu_rowwise
-    monkeypatch.setattr(fp8_fused.RowCastHandoff, "take",
+    take, make = fp8_fused.GradCastHandoff.take, fp8_triton.swiglu_cast
+    monkeypatch.setattr(fp8_fused.GradCastHandoff, "take",
                         lambda self, dy: taken.append(take(self, dy)) or taken[-1])
-    monkeypatch.setattr(fp8_triton, "swiglu_rowwise", lambda gu: made.append(1) or make(gu))
+    monkeypatch.setattr(fp8_triton, "swiglu_cast",
+                        lambda gu, recipe: made.append(1) or make(gu, recipe))
     results = []
     params = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     for fused in (False, True):
@@ -126,7 +153,7 @@ def assert_fused_mlp_is_unfused(monkeypatch, mlp, x, dy):
         assert same_bits(got, ref), name
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_bf16_dw"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
 def test_fused_mlp_is_the_unfused_mlp(monkeypatch, recipe):
     """The MLP in bf16 with our cast kernels (forced on CPU), fused against unfused. A tile
     smaller than the row, so the fused kernels walk it in several blocks."""
@@ -142,7 +169,7 @@ def test_fused_mlp_is_the_unfused_mlp(monkeypatch, recipe):
 
 def test_the_handoff_refuses_another_gradient():
     """A gradient changed in place after the cast was put, or another tensor: not taken."""
-    handoff, grad = fp8_fused.RowCastHandoff(), torch.zeros(4, 6)
+    handoff, grad = fp8_fused.GradCastHandoff(), torch.zeros(4, 6)
     cast = (torch.zeros(4, 6, dtype=E4M3), torch.ones(4, 1))
     handoff.put(grad, *cast)
     got = handoff.take(grad)

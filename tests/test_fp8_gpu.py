@@ -108,7 +108,7 @@ def test_fused_swiglu_casts_on_gpu():
     assert_fused_casts_are_the_reference(*swiglu_operands(2048, 8192, torch.bfloat16))
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_bf16_dw"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
 def test_fused_fp8_mlp_on_gpu(monkeypatch, recipe):
     """The FP8 MLP under "selective" at 1.7B's widths (C = 2048, I = 8192), 4096 tokens: output
     and gradients with the fused casts equal those without, bit for bit."""

@@ -53,7 +53,9 @@ Fused casts (fp8_fused.py): under the row-scaled recipes, with our kernels and "
 (fp8_triton.fp8_swiglu_mlp), the SwiGLU kernels write their outputs' rowwise casts themselves:
 forward h_q and its scales instead of h (the down projection's x), backward d(gu)_q and its
 scales beside d(gu) (gate/up's dy, handed to this linear through `grad_cast`). The column-wise
-casts (x^T, dy^T) cannot be fused this way: their scales need every token first. Not done:
+casts (x^T, dy^T) cannot be fused this way: their scales need every token first. Under
+"tensorwise" the same kernels take the amax of h and of d(gu) as they write them (handed to
+this linear through `grad_cast` for d(gu)), so those casts skip their amax pass. Not done:
 the RMSNorm forward (triton_norms.py, whole rows too) writing the q/k/v and gate/up input's
 row cast; that needs the norm's output to reach the projection as FP8 (the layer passes a bf16
 tensor), for one read of (N, C) a norm, ~0.03 ms at 1.7B's 32768 x 2048 bf16 at 4 TB/s.
@@ -118,14 +120,15 @@ def cast_input(x2, recipe: Recipe, in_group, transposed: bool = True):
     return (x_q, x_s), (xt_q, xt_s)
 
 
-def cast_grad(dy2, recipe: Recipe, out_group, for_dx: bool = True, for_dw: bool = True):
+def cast_grad(dy2, recipe: Recipe, out_group, for_dx: bool = True, for_dw: bool = True,
+              amax=None):
     """dy (N, O) -> (dy_q, dy_s) for dx, along O, and (dy^T_q, its scale) for dW, along the
     tokens (each None when not needed; dW's never under bf16_dw): e4m3 per row, or e5m2
-    with one scale for both layouts."""
+    with one scale for both layouts (from `amax` when the kernel that wrote dy took it)."""
     for_dw = for_dw and not recipe.bf16_dw
     if not recipe.rowwise:
         dy_q, dyt_q, s = quantize(dy2, E5M2, "tensor", out_group, rows=for_dx,
-                                  transposed=for_dw)
+                                  transposed=for_dw, amax=amax)
         return (dy_q, s) if for_dx else None, (dyt_q, s) if for_dw else None
     dy = quantize(dy2, E4M3, "row", out_group)[::2] if for_dx else None
     dyt = quantize(dy2, E4M3, "column", rows=False, transposed=True)[1:] if for_dw else None
@@ -145,8 +148,8 @@ class Fp8Linear(torch.autograd.Function):
     (q/k/v, gate/up) run as one GEMM like fused_linear.py; their gradients come back as row
     slices of one dW. Backward keeps x^T in FP8 (C_in, N) and its scale (x itself under
     bf16_dw), and the weights' FP8 copies (from `cache`, a Fp8WeightCache, if given).
-    `grad_cast`: a fp8_fused.RowCastHandoff through which the kernel that writes dy may hand
-    over dy's rowwise cast (then not cast again here), or None."""
+    `grad_cast`: a fp8_fused.GradCastHandoff through which the kernel that writes dy may hand
+    over dy's rowwise cast (then not cast again here) or its tensor amax, or None."""
 
     @staticmethod
     def forward(ctx, x, recipe, in_group, out_group, cache, grad_cast, *weights):
@@ -173,9 +176,12 @@ class Fp8Linear(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         dy2 = dy.reshape(-1, dy.shape[-1])
         given = ctx.grad_cast.take(dy) if ctx.grad_cast is not None else None
-        dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and given is None,
-                              need_dw)
-        dy_c = dy_c if given is None else given
+        # handed over: rowwise dy's cast (q, scale), tensorwise dy's amax (amax,)
+        cast = given if ctx.recipe.rowwise else None
+        amax = given[0] if given is not None and not ctx.recipe.rowwise else None
+        dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and cast is None,
+                              need_dw, amax)
+        dy_c = dy_c if cast is None else cast
         dx = dw = None
         if need_dx:
             wt_q, wt_s = ctx.casts.transposed(_one_matrix(weights) if weights else None)

@@ -71,7 +71,8 @@ def _fp8_values(v, EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: t
     and with EXACT_ROUND (the interpreter) already rounded onto the FP8 grid."""
     if EXACT_ROUND:
         return _fp8_round(v, FP8_MAX, MANTISSA, MIN_EXP)
-    return tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    nan = tl.PropagateNan.ALL            # a NaN stays one (min/max would drop it)
+    return tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan)
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""Rowwise FP8 casts fused into the SwiGLU kernels that produce the GEMM operands.
+"""FP8 casts fused into the SwiGLU kernels that produce the GEMM operands: the casts themselves
+(rowwise scales), or the amax their scale needs (tensorwise).
 
 Under the row-scaled recipes ("rowwise", "rowwise_bf16_dw") two operands of the MLP's GEMMs
 come straight out of our SwiGLU kernels (triton_swiglu.py), which see whole rows of them:
@@ -33,18 +34,26 @@ value times the scale's reciprocal, saturated, and rounded by the conversion, or
 `_fp8_round` in the interpreter): fp8_quantize.reference's rowwise cast of the same tensor,
 scales included (tests/test_fp8_fused.py, on CPU and on the GPU).
 
-Handing d(gu)_q to its GEMM. Autograd passes gate/up's linear only the bf16 gradient, so the
-cast travels beside it in a `RowCastHandoff`, made per MLP forward when the fusion applies
-and held by both autograd nodes: the SwiGLU backward puts (d(gu), its version, q, scales),
-the linear's backward takes them if the gradient it receives is that very tensor (same
-memory, shape and version), else it casts as before.
+Tensorwise ("tensorwise"): one scale for the whole tensor, so no value can be cast before
+every value has been seen, and no kernel that writes a tensor can also cast it. What the
+SwiGLU kernels can do is take the amax of what they store (triton_swiglu.py's `amax`, one
+atomic max per program): forward h's (`swiglu_cast`), backward d(gu)'s
+(`swiglu_backward_cast`), and fp8_cast's cast kernel runs on with it, the amax pass over h
+and over d(gu) gone (1.5 GB of reads a layer at 1.7B: 0.5 GB of h, 1 GB of d(gu)). The same
+bits as unfused: an amax is exact whichever order it is taken in.
+
+Handing d(gu)'s cast to its GEMM. Autograd passes gate/up's linear only the bf16 gradient, so
+the cast (rowwise: q and scales; tensorwise: the amax) travels beside it in a
+`GradCastHandoff`, made per MLP forward when the fusion applies and held by both autograd
+nodes: the SwiGLU backward puts (d(gu), its version, the cast), the linear's backward takes
+it if the gradient it receives is that very tensor (same memory, shape and version), else
+it casts as before.
 
 Where it applies: the MLP of model.kernels="triton" under "selective" (the GPU defaults),
 fp8_triton.fp8_swiglu_mlp; without "selective" h is kept in bf16 for the down projection and
-the casts stay separate. When (`fusable`): a row-scaled recipe, our kernels (a GPU outside
-compiled regions: fp8_quantize.use_kernels) and a row that one rank holds whole; under
-tensor parallelism I (2I) is sharded and the row amax needs an all-reduce first: the
-separate casts.
+the casts stay separate. When (`fusable`): our kernels (a GPU outside compiled regions:
+fp8_quantize.use_kernels) and a tensor that one rank holds whole; under tensor parallelism I
+(2I) is sharded and the amax needs an all-reduce first: the separate casts.
 FUSED = False turns the fusion off everywhere (the separate cast kernels, as before).
 """
 import torch
@@ -53,17 +62,41 @@ import triton.language as tl
 
 import picotron.speed.fp8_quantize as fp8_quantize
 from picotron.speed.fp8_cast import FORMATS, _fp8_values, _scales
-from picotron.speed.triton_swiglu import _swiglu_grads, _swiglu_h
+from picotron.speed.triton_swiglu import (_swiglu_backward, _swiglu_forward, _swiglu_grads,
+                                          _swiglu_h)
 
 FUSED = True
 TILE = (1, 2048, 4)     # ROWS, BLOCK (columns of h a step), num_warps: 16 values per thread
 
 
-def fusable(recipe, group, t) -> bool:
-    """Whether a SwiGLU kernel casts this operand: rowwise scales, our kernels on t's device,
-    and no other rank holding part of a row (`group`: the TP group sharding I, or None)."""
-    return FUSED and recipe.rowwise and fp8_quantize.use_kernels(t) and \
-        fp8_quantize._alone(group)
+def fusable(group, t) -> bool:
+    """Whether the SwiGLU kernels cast (or take the amax of) this operand: our kernels on t's
+    device, and no other rank holding part of it (`group`: the TP group sharding I, or None)."""
+    return FUSED and fp8_quantize.use_kernels(t) and fp8_quantize._alone(group)
+
+
+def swiglu_cast(gu2, recipe):
+    """gu2 (N, 2I) -> (h_q (N, I), h_s, h's amax or None): h's FP8 cast for the down
+    projection, rowwise by the SwiGLU kernel itself (no bf16 h), tensorwise by the cast kernel
+    from the amax the SwiGLU kernel took (the amax is returned: h^T's cast in backward)."""
+    if recipe.rowwise:
+        return (*swiglu_rowwise(gu2), None)
+    bits = torch.zeros((), dtype=torch.int32, device=gu2.device)
+    h = _swiglu_forward(gu2, amax=bits)
+    amax = bits.view(torch.float32)
+    h_q, _, h_s = fp8_quantize.quantize(h, fp8_quantize.E4M3, "tensor", amax=amax)
+    return h_q, h_s, amax
+
+
+def swiglu_backward_cast(dh2, gu2, dgu2, recipe, store_h: bool):
+    """triton_swiglu._swiglu_backward (d(gu) into dgu2, h into dh2 if store_h), and what
+    gate/up's linear needs to cast d(gu): rowwise the cast itself (q, scale), tensorwise
+    its amax (amax,)."""
+    if recipe.rowwise:
+        return swiglu_backward_rowwise(dh2, gu2, dgu2, store_h)
+    bits = torch.zeros((), dtype=torch.int32, device=gu2.device)
+    _swiglu_backward(dh2, gu2, dgu2, store_h, amax=bits)
+    return (bits.view(torch.float32),)
 
 
 @triton.jit
@@ -188,18 +221,19 @@ def swiglu_backward_rowwise(dh2, gu2, dgu2, store_h: bool, fp8_dtype=fp8_quantiz
     return q, scale
 
 
-class RowCastHandoff:
-    """A gradient's rowwise FP8 cast, from the kernel that wrote the gradient to the linear
-    whose dx GEMM reads it (module docstring). One per MLP forward; `take` empties it."""
+class GradCastHandoff:
+    """A gradient's FP8 cast (rowwise: (q, scale)) or amax (tensorwise: (amax,)), from the
+    kernel that wrote the gradient to the linear whose GEMMs read it (module docstring). One
+    per MLP forward; `take` empties it."""
 
     def __init__(self):
         self.grad, self.version, self.cast = None, None, None
 
-    def put(self, grad, q, scale):
-        self.grad, self.version, self.cast = grad, grad._version, (q, scale)
+    def put(self, grad, *cast):
+        self.grad, self.version, self.cast = grad, grad._version, cast
 
     def take(self, dy):
-        """(q, scale) if dy is the gradient put here, unchanged since; else None."""
+        """The cast tuple if dy is the gradient put here, unchanged since; else None."""
         grad, version, cast = self.grad, self.version, self.cast
         self.grad, self.version, self.cast = None, None, None
         if cast is None or dy.data_ptr() != grad.data_ptr() or dy.shape != grad.shape \

@@ -12,16 +12,18 @@ gu and W_down's FP8 copies (and, tensorwise, h's amax), not the SwiGLU output h 
 backward computes dh = dy W (FP8), then one kernel writes d(gu) and h (bitwise forward's h)
 and h^T is cast again for dW (tensorwise with forward's amax, so forward's scale: dW is what
 keeping h would have given; under "rowwise_bf16_dw" dW = dy^T h in bf16, no cast).
-Under the row-scaled recipes its two SwiGLU kernels also cast (fp8_fused.py): forward writes
+Its two SwiGLU kernels also cast (fp8_fused.py): under the row-scaled recipes forward writes
 h's rowwise FP8 cast instead of h, backward d(gu)'s next to d(gu), handed to the gate/up
-linear's dx GEMM (a RowCastHandoff made by fp8_swiglu_mlp, which Fp8TritonMLP runs).
+linear's dx GEMM (a GradCastHandoff made by fp8_swiglu_mlp, which Fp8TritonMLP runs);
+tensorwise they take the amax of h and of d(gu) as they write them, so that no cast needs an
+amax pass of its own.
 """
 import torch
 
 from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, recipe_of,
                                 scaled_mm, weight_grad)
-from picotron.speed.fp8_fused import (RowCastHandoff, fusable, swiglu_backward_rowwise,
-                                      swiglu_rowwise)
+from picotron.speed.fp8_fused import (GradCastHandoff, fusable, swiglu_backward_cast,
+                                      swiglu_cast)
 from picotron.speed.fp8_quantize import amax_of
 from picotron.speed.fp8_weights import weight_casts
 from picotron.speed.triton_layers import TritonAttention, TritonMLP
@@ -49,14 +51,14 @@ def _cast_ht(h, recipe: Recipe, amax):
 class Fp8SwiGLULinear(torch.autograd.Function):
     """y = swiglu(gu) @ W^T in FP8: gu (..., 2I) -> (..., O), W (O, I); under tensor
     parallelism I is this rank's share (row-parallel, `in_group`) and y a partial sum.
-    `cache`: the down projection's Fp8WeightCache, or None. `handoff`: a RowCastHandoff to
-    put d(gu)'s rowwise cast in for gate/up's linear, or None (fp8_fused.py)."""
+    `cache`: the down projection's Fp8WeightCache, or None. `handoff`: a GradCastHandoff to
+    put d(gu)'s cast (or amax) in for gate/up's linear, or None (fp8_fused.py)."""
 
     @staticmethod
     def forward(ctx, gu, recipe, in_group, cache, handoff, weight):
         ctx.inplace, ctx.handoff = _may_overwrite(gu), handoff
-        if fusable(recipe, in_group, gu):               # h_q and its scales, no bf16 h
-            (h_q, h_s), h_amax = swiglu_rowwise(_rows(gu)), None
+        if fusable(in_group, gu):        # cast by (or from the amax of) the SwiGLU kernel
+            h_q, h_s, h_amax = swiglu_cast(_rows(gu), recipe)
         else:
             h = _swiglu_forward(_rows(gu))              # (N, I), freed when forward returns
             h_q, h_s, h_amax = _cast_h(h, recipe, in_group)
@@ -79,8 +81,8 @@ class Fp8SwiGLULinear(torch.autograd.Function):
             wt_q, wt_s = ctx.casts.transposed(weight)
             dh2 = scaled_mm(*dy_c, wt_q, wt_s, gu.dtype)        # (N, I), fresh: h goes over it
             dgu2 = gu2 if ctx.inplace else torch.empty_like(gu2)
-            if ctx.handoff is not None:                 # d(gu)'s rowwise cast too
-                dgu_cast = swiglu_backward_rowwise(dh2, gu2, dgu2, store_h=True)
+            if ctx.handoff is not None:                 # d(gu)'s cast (or amax) too
+                dgu_cast = swiglu_backward_cast(dh2, gu2, dgu2, recipe, store_h=True)
             else:
                 _swiglu_backward(dh2, gu2, dgu2, store_h=True)
             h, dgu = dh2, dgu2.detach().view(gu.shape)
@@ -103,8 +105,8 @@ def fp8_swiglu_mlp(x, weights, down_weight, recipe: Recipe, group=None, down_gro
     linear, then Fp8SwiGLULinear. x (..., C) -> (..., O), a partial sum under TP (the caller
     reduces). `group` / `down_group`: the TP groups sharding gate/up's O and down's C_in;
     `cache` / `down_cache`: their Fp8WeightCaches. Where fp8_fused applies, the SwiGLU
-    backward hands d(gu)'s rowwise cast to the gate/up linear through a RowCastHandoff."""
-    handoff = RowCastHandoff() if fusable(recipe, group, x) else None
+    backward hands d(gu)'s cast (or amax) to the gate/up linear through a GradCastHandoff."""
+    handoff = GradCastHandoff() if fusable(group, x) else None
     gu = fp8_linear(x, weights, recipe.name, out_group=group, cache=cache,
                     grad_cast=handoff)                                          # (..., 2I)
     return Fp8SwiGLULinear.apply(gu, recipe, down_group, down_cache, handoff, down_weight)

@@ -41,6 +41,11 @@ token, ~+20% of this kernel's time), the saving costs no buffer, and h is bitwis
 forward's (the same fp32 ops on the same gu). Measured on an H200 (bench/NOTES.md),
 16 x 2048 tokens: the MLP's forward + backward 2.37 -> 2.44 ms at 360M's widths, 15.47 ->
 15.54 ms at 1.7B's; a 360M training step 0.9% slower, its peak 30.3 -> 25.6 GB.
+
+`amax` (training.fp8="tensorwise", fp8_fused.py): both kernels can also take the largest
+magnitude of what they store (h forward, d(gu) backward, as rounded to their dtype), one
+atomic max per program into an int32 scalar (the fp32 bits: for non-negative floats the two
+orders agree), so that the tensor's FP8 scale needs no pass of its own over it.
 """
 import torch
 import torch.nn.functional as F
@@ -70,8 +75,17 @@ def _swiglu_grads(g, u, dh):
 
 
 @triton.jit
-def _swiglu_fwd(gu_ptr, h_ptr, n_rows, n_cols, gu_stride, h_stride,
-                ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _amax_into(amax_ptr, v):
+    """Atomically max the largest |v| (fp32 holding values of the stored dtype) into the
+    int32 bits at amax_ptr. Reduced as bits too: a NaN's (0x7fc00000 once its sign is
+    cleared) is above every number's, so a NaN is the amax, as torch's amax gives it."""
+    bits = tl.abs(v).to(tl.int32, bitcast=True)                       # (ROWS, BLOCK)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+
+
+@triton.jit
+def _swiglu_fwd(gu_ptr, h_ptr, amax_ptr, n_rows, n_cols, gu_stride, h_stride,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr):
     # One (ROWS, BLOCK) tile of h; gate at column c of gu, up at column n_cols + c.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)              # (ROWS,)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)            # (BLOCK,)
@@ -80,13 +94,16 @@ def _swiglu_fwd(gu_ptr, h_ptr, n_rows, n_cols, gu_stride, h_stride,
     gate_ptrs = gu_ptr + rows * gu_stride + cols[None, :]
     g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
-    h = _swiglu_h(g, u)
-    tl.store(h_ptr + rows * h_stride + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    h = _swiglu_h(g, u).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + rows * h_stride + cols[None, :], h, mask=mask)
+    if AMAX:                                     # masked elements are 0: silu(0) * 0
+        _amax_into(amax_ptr, h.to(tl.float32))
 
 
 @triton.jit
-def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, n_rows, n_cols, dh_stride, gu_stride, dgu_stride,
-                ROWS: tl.constexpr, BLOCK: tl.constexpr, STORE_H: tl.constexpr):
+def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, amax_ptr, n_rows, n_cols, dh_stride, gu_stride,
+                dgu_stride, ROWS: tl.constexpr, BLOCK: tl.constexpr, STORE_H: tl.constexpr,
+                AMAX: tl.constexpr):
     # d(gu) = (d gate, d up) by _swiglu_grads. dgu_ptr may equal gu_ptr: each element is read
     # before it is written, by the same program, and no program reads another's tile. STORE_H:
     # also write h = silu(gate) * up over dh (SwiGLULinear's recomputation; same ops as
@@ -101,11 +118,15 @@ def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, n_rows, n_cols, dh_stride, gu_stride, d
     dh_ptrs = dh_ptr + rows * dh_stride + cols[None, :]
     dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
     dgate, dup, h = _swiglu_grads(g, u, dh)
+    dgate, dup = dgate.to(dgu_ptr.dtype.element_ty), dup.to(dgu_ptr.dtype.element_ty)
     out_ptrs = dgu_ptr + rows * dgu_stride + cols[None, :]
-    tl.store(out_ptrs, dgate.to(dgu_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptrs + n_cols, dup.to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, dgate, mask=mask)
+    tl.store(out_ptrs + n_cols, dup, mask=mask)
     if STORE_H:
         tl.store(dh_ptrs, h.to(dh_ptr.dtype.element_ty), mask=mask)
+    if AMAX:                                     # masked elements are 0 (dh = 0 there)
+        _amax_into(amax_ptr, tl.maximum(tl.abs(dgate.to(tl.float32)),
+                                        tl.abs(dup.to(tl.float32))))
 
 
 def _launch(kernel, n_rows, n_cols, *args, **constexprs):
@@ -129,21 +150,25 @@ def _may_overwrite(gu) -> bool:
     return gu.grad_fn is not None and gu._base is None and gu.is_contiguous()
 
 
-def _swiglu_forward(gu2):
-    """gu2 (N, 2I) -> h (N, I)."""
+def _swiglu_forward(gu2, amax=None):
+    """gu2 (N, 2I) -> h (N, I). amax: a zeroed int32 scalar that receives max |h|'s fp32
+    bits (top), or None."""
     n, i2 = gu2.shape
     h = torch.empty(n, i2 // 2, dtype=gu2.dtype, device=gu2.device)
     if n > 0:
-        _launch(_swiglu_fwd, n, i2 // 2, gu2, h, n, i2 // 2, gu2.stride(0), h.stride(0))
+        _launch(_swiglu_fwd, n, i2 // 2, gu2, h, h if amax is None else amax, n, i2 // 2,
+                gu2.stride(0), h.stride(0), AMAX=amax is not None)
     return h
 
 
-def _swiglu_backward(dh2, gu2, dgu2, store_h: bool):
-    """dh2 (N, I), gu2 (N, 2I) -> d(gu) into dgu2 (N, 2I); store_h: h into dh2 too."""
+def _swiglu_backward(dh2, gu2, dgu2, store_h: bool, amax=None):
+    """dh2 (N, I), gu2 (N, 2I) -> d(gu) into dgu2 (N, 2I); store_h: h into dh2 too. amax: as
+    _swiglu_forward's, for max |d(gu)|."""
     n, i2 = gu2.shape
     if n > 0:
-        _launch(_swiglu_bwd, n, i2 // 2, dh2, gu2, dgu2, n, i2 // 2,
-                dh2.stride(0), gu2.stride(0), dgu2.stride(0), STORE_H=store_h)
+        _launch(_swiglu_bwd, n, i2 // 2, dh2, gu2, dgu2, dgu2 if amax is None else amax, n,
+                i2 // 2, dh2.stride(0), gu2.stride(0), dgu2.stride(0), STORE_H=store_h,
+                AMAX=amax is not None)
 
 
 class SwiGLUPacked(torch.autograd.Function):
