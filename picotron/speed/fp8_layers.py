@@ -21,7 +21,7 @@ never saved (not under ZeRO-3, `_cache`).
                              the fused q/k/v and gate/up projections, one FP8 GEMM each
 
 Applied after speed/kernels.py (whose classes it must see) and before recompute.py.
-Refused on CPU and on GPUs without FP8 tensor cores (config_checks.fp8_problems, and
+Refused on CPU and on GPUs without FP8 tensor cores (config_features.fp8_problems, and
 `check_fp8_device` when the run is built).
 """
 import torch

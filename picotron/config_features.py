@@ -1,0 +1,104 @@
+"""What each optional feature of a run cannot be combined with, with the values involved and
+the fix: CUDA graphs, FP8 GEMMs, tensor-parallel communication overlap, ZeRO-3.
+
+config_checks.layout_errors calls these beside its checks of the layout itself; like that
+module, this one imports nothing of the package.
+"""
+
+FP8 = ("none", "tensorwise", "rowwise", "rowwise_bf16_dw")      # training.fp8
+
+
+def cuda_graph_problems(d, t, m):
+    """training.cuda_graphs captures the whole layer stack as one graph per direction
+    (picotron/speed/cuda_graphs.py): nothing inside may talk to other ranks or the host."""
+    fix = "; set training.cuda_graphs=false for this layout"
+    inside = [f"distributed.{k}={getattr(d, k)}" for k in ("tp_size", "pp_size", "cp_size")
+              if getattr(d, k) > 1]
+    problems = []
+    if d.use_cpu:
+        problems.append("training.cuda_graphs needs CUDA GPUs, but distributed.use_cpu is true"
+                        + fix)
+    if inside:
+        problems.append(f"training.cuda_graphs cannot capture {' and '.join(inside)}: their "
+                        f"collectives and stage hand-offs run inside the layers" + fix)
+    # our "selective" recomputes inside the MLP's own autograd function, which a graph
+    # captures like any other; torch's checkpoint would rerun the forward inside backward
+    ours = t.activation_checkpointing == "selective" and m.kernels == "triton"
+    if t.activation_checkpointing != "none" and not ours:
+        problems.append(f"training.cuda_graphs needs training.activation_checkpointing='none' "
+                        f"(got '{t.activation_checkpointing}'), or 'selective' with "
+                        f"model.kernels='triton': the graph already keeps every activation "
+                        f"in its own memory pool")
+    if t.compile:
+        problems.append("training.cuda_graphs and training.compile are two ways to launch the "
+                        "layers; choose one")
+    return problems
+
+
+def fp8_problems(config) -> list:
+    """training.fp8 (picotron/speed/fp8.py) runs torch._scaled_mm on FP8 tensor cores, whose
+    GEMMs want every reduction and output size a multiple of 16; the GPU's generation is
+    checked when the run is built (fp8_layers.check_fp8_device)."""
+    d, m, t = config.distributed, config.model, config.training
+    if t.fp8 not in FP8:
+        return [f"training.fp8='{t.fp8}' must be one of {FP8}"]
+    problems = []
+    if d.use_cpu:
+        problems.append(f"training.fp8='{t.fp8}' runs FP8 GEMMs on GPUs with FP8 tensor cores "
+                        f"(sm89+), but distributed.use_cpu is true; set training.fp8='none'")
+    elif t.dtype != "bfloat16":
+        problems.append(f"training.fp8='{t.fp8}' computes in FP8 and returns bf16 (the "
+                        f"row-scaled GEMM has no other output), but training.dtype="
+                        f"'{t.dtype}'; set training.dtype='bfloat16'")
+    if t.cuda_graphs:
+        problems.append("training.fp8 with training.cuda_graphs is not supported yet (the "
+                        "FP8 weight cache decides on the host when to recast, which a "
+                        "replayed graph would skip); drop one")
+    head_dim = m.hidden_size // m.num_attention_heads
+    tokens = t.micro_batch_size * t.seq_length // d.cp_size
+    sizes = {"hidden_size": m.hidden_size, "hidden_size/tp_size": m.hidden_size // d.tp_size,
+             "num_key_value_heads*head_dim/tp_size": m.num_key_value_heads * head_dim
+             // d.tp_size, "intermediate_size/tp_size": m.intermediate_size // d.tp_size,
+             "micro_batch_size*seq_length/cp_size (tokens)": tokens}
+    odd = [f"{name}={value}" for name, value in sizes.items() if value % 16]
+    if odd:
+        problems.append(f"training.fp8 needs the projections' sizes on each rank to be "
+                        f"multiples of 16 (FP8 GEMMs), but {', '.join(odd)}; change them or "
+                        f"set training.fp8='none'")
+    return problems
+
+
+def tp_overlap_problems(config) -> list:
+    """distributed.tp_comm_overlap (picotron/tensor_parallel/overlap.py) cuts sequence
+    parallelism's collectives into rings along T. At tp_size 1 it does nothing, like
+    sequence_parallel itself, so one config serves every layout."""
+    d, m, t = config.distributed, config.model, config.training
+    problems = []
+    if not d.sequence_parallel:
+        problems.append("distributed.tp_comm_overlap overlaps sequence parallelism's all-gather "
+                        "and reduce-scatter along T with the GEMMs, but sequence_parallel is "
+                        "false; set sequence_parallel=true or tp_comm_overlap=false")
+    if m.kernels == "liger":
+        problems.append("distributed.tp_comm_overlap runs the blocks' projections as its own "
+                        "ring GEMMs, which model.kernels='liger' lacks; use 'triton' or 'torch'")
+    if t.fp8 != "none":
+        problems.append(f"distributed.tp_comm_overlap's ring GEMMs run in the model dtype: "
+                        f"training.fp8='{t.fp8}' would not apply to them; set "
+                        f"training.fp8='none' or tp_comm_overlap=false")
+    return problems
+
+
+def zero3_problems(config) -> list:
+    """zero_stage=3 gathers each layer's parameters in a forward pre-hook and frees them after
+    (picotron/data_parallel/zero3.py): what cannot run that way."""
+    t = config.training
+    problems = []
+    if t.cuda_graphs:
+        problems.append("distributed.zero_stage=3 gathers and frees each layer's parameters "
+                        "around its forward and backward, which training.cuda_graphs would "
+                        "freeze into a graph; set training.cuda_graphs=false or zero_stage <= 2")
+    if t.compile:
+        problems.append("distributed.zero_stage=3 runs collectives in each layer's forward "
+                        "hooks, which training.compile would trace; set training.compile=false "
+                        "or zero_stage <= 2")
+    return problems
