@@ -125,6 +125,7 @@ RANGES = {
     "dataset.num_samples": (Range(1, 2 ** 40), "rows (windows for 'embedded') kept; null: all"),
     "dataset.num_proc": (Range(1, 1024), "processes that tokenize"),
     "dataset.val_samples": (Range(0, 2 ** 40), "held-out validation windows"),
+    "dataset.cache_max_gb": (Range(0, 2 ** 30), "the token cache's size cap in GB; 0: none"),
     "checkpoint.save_frequency": (Range(0, MAX_STEPS), "steps between checkpoints; 0: none"),
     "checkpoint.keep_last": (Range(0, 2 ** 20), "checkpoints kept; 0: all"),
     "logging.log_frequency": (Range(1, MAX_STEPS), "steps between stdout lines"),

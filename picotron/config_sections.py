@@ -137,6 +137,9 @@ class DatasetConfig:
     # the token cache shared by runs (picotron/token_cache.py); null: the user's cache folder
     # ($XDG_CACHE_HOME or ~/.cache, then picotron/tokenized); relative: from the run dir
     cache_dir: Optional[str] = None
+    # the cache's size cap: writing an entry removes the least recently used ones past it
+    # (never one used in the last hour: a starting run may be about to read it); 0: no cap
+    cache_max_gb: float = 100.0
 
 
 @dataclass

@@ -18,6 +18,15 @@ the sha256 of the .npy file. Both are written to a temporary name and renamed, t
 an entry without its .json is not there yet, so two runs tokenizing the same data at once never
 read half a file (both write the same bytes; the last rename wins). A hit re-reads the .npy's
 sha256 (about 2 GB/s), so a truncated or damaged entry is found and rebuilt, not trained on.
+
+Size. Each entry's .json carries its last use as its modification time (set when written,
+touched at every hit). Writing an entry then trims the cache to `dataset.cache_max_gb`,
+removing the least recently used entries first (the .json first, so no reader finds an entry
+without its tokens), but never the entry just written nor one used in the last hour: a run
+that has just looked an entry up opens it a moment later on every rank, and one already
+running has it mapped (a removed file stays readable to whoever has it open). A full disk
+would fail the checkpoint writes of every run on the machine; a removed entry costs one
+tokenization.
 """
 import contextlib
 import glob
@@ -135,6 +144,8 @@ def lookup(root: str, key: str):
     except (OSError, ValueError, KeyError, TypeError) as e:    # missing, truncated, garbage
         problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if problem is None:
+        with contextlib.suppress(OSError):     # a cache another user owns: read, not touched
+            os.utime(meta_path)                # last used now (the module docstring, Size)
         return npy, meta
     print(f"token cache entry {npy} is damaged ({problem}); tokenizing again", flush=True)
     return None
@@ -184,3 +195,37 @@ def write(root: str, key: str, chunks, total: int, dtype, meta: dict) -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return npy
+
+
+def trim(root: str, max_gb: float, keep: str, grace_s: float = 3600.0) -> list:
+    """Remove the least recently used entries until the cache holds at most max_gb (0: no
+    cap), sparing `keep` and every entry used within grace_s (module docstring, Size); the
+    keys removed. Says what it removed, and when what it may not remove is over the cap."""
+    if max_gb <= 0:
+        return []
+    entries = []
+    for meta in glob.glob(os.path.join(root, "*.json")):
+        key = os.path.basename(meta)[:-len(".json")]
+        with contextlib.suppress(OSError):     # another run may remove it meanwhile
+            size = os.path.getsize(meta) + os.path.getsize(os.path.join(root, key + ".npy"))
+            entries.append((os.path.getmtime(meta), key, size))
+    total, cap, now, removed = sum(e[2] for e in entries), max_gb * 1e9, time.time(), []
+    for used, key, size in sorted(entries):                     # least recently used first
+        if total <= cap:
+            break
+        if key == keep or now - used < grace_s:
+            continue
+        for suffix in (".json", ".npy"):                        # invisible first
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(root, key + suffix))
+        total -= size
+        removed.append(key)
+    if removed:
+        print(f"token cache {root}: removed {len(removed)} least recently used entries "
+              f"({', '.join(removed)}) to stay under dataset.cache_max_gb={max_gb:g}",
+              flush=True)
+    if total > cap:
+        print(f"token cache {root} holds {total / 1e9:.1f} GB, over dataset.cache_max_gb="
+              f"{max_gb:g}, in entries used within the last hour (or the one just written); "
+              f"raise the cap or point dataset.cache_dir at a larger disk", flush=True)
+    return removed

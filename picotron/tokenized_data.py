@@ -142,6 +142,7 @@ def _tokenize_to_file(config, split: str, root: str) -> str:
         "vocab_size": tokenizer.vocab_size, "eos_token_id": eos})
     print(f"tokenized {len(docs)} documents of {d.name}:{split} with {tokenizer.name} into "
           f"{total} tokens -> {path}", flush=True)
+    token_cache.trim(root, d.cache_max_gb, keep=key)
     return path
 
 

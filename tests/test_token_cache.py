@@ -211,3 +211,45 @@ def test_two_runs_tokenizing_at_once_leave_one_whole_entry(tmp_path):
     assert len(os.listdir(tmp_path / "cache")) == 2             # <key>.npy, <key>.json
     key = entries(tmp_path / "cache")[0][:-len(".json")]
     assert token_cache.lookup(str(tmp_path / "cache"), key) is not None
+
+
+def test_the_cache_is_trimmed_to_its_cap_least_recently_used_first(tmp_path, capsys):
+    """dataset.cache_max_gb: writing a fourth entry past the cap removes the least recently
+    used ones (a hit counts as a use), never the one just written nor one used within the
+    grace period; each run still gets its tokens (a removed entry is tokenized again)."""
+    root = tmp_path / "cache"
+    sources = [write_jsonl(tmp_path / f"docs{i}.jsonl", documents(40 + i)) for i in range(4)]
+
+    def run(i, cap_gb):
+        c = config_for(sources[i], "byte", str(root))
+        c.dataset.cache_max_gb = cap_gb
+        return tokens(c, tmp_path)
+
+    first = [run(i, 0) for i in range(3)]                       # no cap: three entries
+    keys = [e[:-len(".json")] for e in entries(root) if e.endswith(".json")]
+    assert len(keys) == 3
+    sizes = {k: os.path.getsize(root / f"{k}.npy") + os.path.getsize(root / f"{k}.json")
+             for k in keys}
+    by_source = {}
+    for k in keys:
+        with open(root / f"{k}.json") as f:
+            by_source[json.load(f)["source"]] = k
+    order = [by_source[s] for s in sources[:3]]
+    for age, k in zip((300, 200, 100), order):      # entry 0 used longest ago, then 1, then 2
+        used = os.path.getmtime(root / f"{k}.json") - 7200 - age
+        os.utime(root / f"{k}.json", (used, used))
+    assert run(0, 0) == first[0]                    # a hit: entry 0 is now the most recent
+    # room for entries 0 and 2 and the new one (a little larger than any, 43 documents), not
+    # for entry 1 too: entry 1, the least recently used, must go
+    cap = (sizes[order[0]] + sizes[order[2]] + 1.5 * max(sizes.values())) / 1e9
+    run(3, cap)
+    left = {e[:-len(".json")] for e in entries(root) if e.endswith(".json")}
+    assert order[1] not in left and {order[0], order[2]} <= left and len(left) == 3, left
+    assert not (root / f"{order[1]}.npy").exists()
+    assert "removed 1 least recently used entries" in capsys.readouterr().out
+    # a cap nothing can meet: entries used within the hour stay, and it says so
+    assert run(1, 1e-9) == first[1]                 # tokenized again, then trimmed
+    left = {e[:-len(".json")] for e in entries(root) if e.endswith(".json")}
+    assert order[1] in left
+    out = capsys.readouterr().out
+    assert "over dataset.cache_max_gb" in out
