@@ -40,6 +40,12 @@ tensor, so that every layout gives the same numbers. A weight sharded by rows (c
 `out_group`) or by columns (row-parallel, `in_group`) all-reduces its amax with MAX over that
 group; so does x of a row-parallel linear (its C_in is sharded) and dy of a column-parallel one
 (its O is). Rowwise amaxes run along K, so only operands whose K is sharded need it.
+Data, pipeline and context parallelism shard the tokens instead: each rank scales the tokens
+it holds, as one GPU scales each micro-batch it runs. Under dp and pp those are one GPU's
+micro-batches; under cp a rank holds a chunk of each sequence, and its tensor (and, for dW,
+per-column) amaxes span that chunk only, so its activations round onto a grid at most as
+coarse as one GPU's: other FP8 roundings of the same values, not an all-reduce on the
+critical path of every cast.
 
 Casting: an amax and a division op by op read and write the whole tensor several times, which
 costs more than FP8's faster GEMM saves (bench/NOTES.md). On a GPU the casts are our Triton
