@@ -24,7 +24,10 @@ the layer's total with that row for gate/up and down. Columns (`--variants` pick
 - "compiled": the casts as before our kernels: fp8_quantize's reference amax and cast, each
   torch.compile'd, the weights cast at every use;
 - "eager": the reference casts op by op;
-- "alone": the FP8 GEMMs on operands quantized once outside the timing (the ceiling).
+- "alone": the FP8 GEMMs on operands quantized once outside the timing (the ceiling);
+- "host": "cached"'s time on the CPU (Python, autograd, launches) per forward + backward,
+  measured without waiting for the GPU (and bf16's beside it): when it exceeds the GPU time
+  the other columns time the CPU, and so would a training step made of such GEMMs.
 steps: train.py's build_training and train_step (bench_speed.py's runner and timing: seq 2048,
 micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its own process:
   "ours defaults"                  bf16, the GPU defaults (kernels triton, our loss, selective)
@@ -48,15 +51,15 @@ import os
 import subprocess
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_speed  # noqa: E402  (puts the repository on sys.path)
 import train  # noqa: E402
-from fused_projections import bench, fwd_bwd  # noqa: E402
+from fp8_baselines import PreviousCasts, gemms_alone, layer_gemms  # noqa: E402
+from fused_projections import bench, fwd_bwd, host_ms  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.speed import fp8, fp8_fused, fp8_quantize  # noqa: E402
+from picotron.speed import fp8, fp8_fused  # noqa: E402
 from picotron.speed.fp8_triton import fp8_swiglu_mlp  # noqa: E402
 from picotron.speed.fp8_weights import Fp8WeightCache, WeightCasts  # noqa: E402
 from picotron.speed.fused_linear import fused_linear  # noqa: E402
@@ -73,77 +76,17 @@ ROWS = {"ours defaults": ("auto", "auto", False, "auto", "none"),
         "ours fp8 rowwise compile": ("torch", "triton", True, "none", "rowwise")}
 
 
-def layer_gemms(model_cfg, tokens):
-    """[(name, x (N, C_in) bf16, [weights])]: one layer's projections as they run fused."""
-    C, I = model_cfg.hidden_size, model_cfg.intermediate_size
-    kv = model_cfg.num_key_value_heads * C // model_cfg.num_attention_heads
+VARIANTS = ("cached", "unfused", "per use", "compiled", "eager", "alone", "host")
 
-    def w(o, i):
-        return (torch.randn(o, i, device="cuda") * i ** -0.5).bfloat16().requires_grad_()
-    x_c = torch.randn(tokens, C, device="cuda").bfloat16().requires_grad_()
-    x_i = torch.randn(tokens, I, device="cuda").bfloat16().requires_grad_()
-    return [("q/k/v", x_c, [w(C, C), w(kv, C), w(kv, C)]), ("o", x_c, [w(C, C)]),
-            ("gate/up", x_c, [w(I, C), w(I, C)]), ("down", x_i, [w(C, I)])]
-
-
-def gemms_alone(x, weights, recipe):
-    """The three FP8 GEMMs of fp8_linear on operands quantized once, beforehand (dW in bf16
-    under rowwise_bf16_dw)."""
-    r = fp8.recipe_of(recipe)
-    scaling, grad = ("row", fp8.E4M3) if r.rowwise else ("tensor", fp8.E5M2)
-    w, x = torch.cat(weights).detach(), x.detach()
-    dy = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-
-    def q(t, fmt, along_rows=True):
-        if along_rows:
-            return fp8.quantize(t, fmt, scaling)[::2]
-        return fp8.quantize(t, fmt, "column" if r.rowwise else "tensor", rows=False,
-                            transposed=True)[1:]
-    pairs = [(q(x, fp8.E4M3), q(w, fp8.E4M3)), (q(dy, grad), q(w, fp8.E4M3, False))]
-    if not r.bf16_dw:
-        pairs.append((q(dy, grad, False), q(x, fp8.E4M3, False)))
-
-    def run():
-        for (p, ps), (b, bs) in pairs:
-            fp8.scaled_mm(p, ps, b, bs, torch.bfloat16)
-        if r.bf16_dw:
-            torch.mm(dy.t(), x)
-    return run
-
-
-class PreviousCasts:
-    """`with PreviousCasts():` the casts as before our kernels: the reference, torch.compile'd
-    for any shape (`compile=True`, once per process) or op by op, and no weight cache."""
-    compiled = {}
-
-    def __init__(self, compile: bool):
-        self.compile = compile
-
-    def __enter__(self):
-        self.saved = (fp8_quantize.use_kernels, fp8_quantize.reference,
-                      fp8_quantize.reference_amax)
-        reference, reference_amax = self.saved[1:]
-        if self.compile:
-            if not self.compiled:
-                self.compiled.update(reference=torch.compile(reference, dynamic=True),
-                                     amax=torch.compile(reference_amax, dynamic=True))
-            reference, reference_amax = self.compiled["reference"], self.compiled["amax"]
-        fp8_quantize.use_kernels = lambda x: False
-        fp8_quantize.reference, fp8_quantize.reference_amax = reference, reference_amax
-        return self
-
-    def __exit__(self, *exc):
-        (fp8_quantize.use_kernels, fp8_quantize.reference,
-         fp8_quantize.reference_amax) = self.saved
-
-
-VARIANTS = ("cached", "unfused", "per use", "compiled", "eager", "alone")
 
 
 def time_variant(variant, x, ws, recipe):
     inputs = [x, *ws]
     if variant == "alone":
         return bench(gemms_alone(x, ws, recipe))
+    if variant == "host":
+        cache = Fp8WeightCache()
+        return host_ms(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe, cache=cache), inputs))
     if variant in ("compiled", "eager"):
         with PreviousCasts(compile=variant == "compiled"):
             return bench(fwd_bwd(lambda: fp8.fp8_linear(x, ws, recipe), inputs))
@@ -158,10 +101,12 @@ def time_mlp(variant, x, ws, w_down, x_i, recipe):
     if variant == "alone":
         gate_up, down = gemms_alone(x, ws, recipe), gemms_alone(x_i, [w_down], recipe)
         return bench(lambda: (gate_up(), down()))
-    caches = (Fp8WeightCache(), Fp8WeightCache()) if variant in ("cached", "unfused") \
+    caches = (Fp8WeightCache(), Fp8WeightCache()) if variant in ("cached", "unfused", "host") \
         else (None, None)
     step = fwd_bwd(lambda: fp8_swiglu_mlp(x, ws, w_down, r, None, None, *caches),
                    [x, *ws, w_down])
+    if variant == "host":
+        return host_ms(step)
     fused = fp8_fused.FUSED
     try:
         fp8_fused.FUSED = variant != "unfused"
@@ -182,6 +127,8 @@ def gemms(args):
         totals, mlp_totals, rows = {}, {}, layer_gemms(cfg, args.mbs * args.seq)
         for name, x, ws in rows:
             times = {"bf16": bench(fwd_bwd(lambda: fused_linear(x, ws), [x, *ws]))}
+            if "host" in variants:
+                times["bf16 host"] = host_ms(fwd_bwd(lambda: fused_linear(x, ws), [x, *ws]))
             for recipe in fp8.RECIPES:
                 for variant in variants:     # "unfused": nothing to fuse in one projection
                     times[f"{recipe} {variant}"] = time_variant(

@@ -47,10 +47,9 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
 from picotron.data import StepBatches, SyntheticData  # noqa: E402
-from picotron.model import materialize  # noqa: E402
-from picotron.presets import resolve_model  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
+from bench_config import base_config, cached_materialize, shape_model  # noqa: E402,F401
 from gpu_clock import ClockSampler  # noqa: E402
 from matmul_floor import floor_runner  # noqa: E402
 
@@ -81,40 +80,6 @@ OURS = {"ours defaults": (False, "auto", "auto", False, "auto", "sdpa"),
         "ours compile our-loss selective": (False, "torch", "triton", True, "selective",
                                             "sdpa"),
         "ours chunked-loss selective": (False, "torch", "chunked", False, "selective", "sdpa")}
-CACHE = "/tmp/picotron_bench_weights_{}.pt"
-
-
-def cached_materialize(model, seed, device, dtype, std=0.02):
-    """train.build_model's materialize, drawn once per shape and loaded afterwards (each row
-    runs in its own process): the same weights, without 30 s of CPU sampling per 1.7B row."""
-    path = CACHE.format(model.cfg.name)
-    if not os.path.exists(path):
-        materialize(model, seed, device, dtype, std)
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        return model
-    model.to_empty(device=device).to(dtype)
-    model.load_state_dict(torch.load(path, map_location=device))
-    return model
-
-
-def shape_model(shape):
-    """A preset's model section; "NAME@L" keeps its first L decoder layers (a shape too large
-    for one GPU, e.g. Llama-3-8B@8, measured per layer)."""
-    name, _, layers = shape.partition("@")
-    model = resolve_model(name)
-    if layers:
-        model["num_hidden_layers"] = int(layers)
-    return model
-
-
-def base_config(shape, mbs, seq):
-    return {"model": shape_model(shape),
-            "training": {"micro_batch_size": mbs, "seq_length": seq, "dtype": "bfloat16",
-                         "use_fused_adam": True, "total_train_steps": 1000, "warmup_steps": 1},
-            "dataset": {"name": "synthetic"}}
-
-
 def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, attn,
                 graphs=False, read_now=False, chunk=0, fp8="none"):
     raw = base_config(shape, mbs, seq)

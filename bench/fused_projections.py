@@ -22,6 +22,8 @@ import argparse
 import os
 import sys
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +51,21 @@ def bench(fn, reps=20):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def host_ms(fn, reps=20):
+    """Milliseconds of CPU per fn(), the GPU left to run behind (reps calls queue far fewer
+    launches than CUDA's queue holds, so the CPU never waits for the GPU): what `bench`
+    measures instead when the CPU is the slower of the two."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    ms = (time.perf_counter() - start) / reps * 1e3
+    torch.cuda.synchronize()
+    return ms
 
 
 def fwd_bwd(make, inputs):

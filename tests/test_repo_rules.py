@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The package's layers, lowest first: a module may import modules of its own layer or lower.
 # A name covers the module and everything below it; a module named nowhere is in "run".
 LAYERS = [
-    ("config", ["picotron.config", "picotron.config_checks", "picotron.config_sections",
+    ("config", ["picotron.config", "picotron.config_checks", "picotron.config_features",
+                "picotron.config_sections",
                 "picotron.config_ranges", "picotron.overrides", "picotron.presets",
                 "picotron.errors"]),
     ("grid", ["picotron.process_group_manager", "picotron.comm"]),

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from picotron.comm import all_gather_single, reduce_scatter_single
-from picotron.data_parallel.buckets import gradient_dtype
+from picotron.data_parallel.bucket_layout import gradient_dtype
 from picotron.data_parallel.zero3_layout import shard_model
 
 

@@ -19,7 +19,7 @@ this rank's shard, and frees the rest before the next.
 """
 import torch
 
-from picotron.data_parallel.buckets import bucket_key, gradient_order
+from picotron.data_parallel.bucket_layout import bucket_key, gradient_order
 from picotron.model import initial_values, replace_parameters
 
 
