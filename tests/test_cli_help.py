@@ -17,11 +17,31 @@ ENTRY_POINTS = ["train.py", "create_config.py", "generate.py", "export_hf.py", "
 WORKER = os.path.join(ROOT, "tests", "workers", "show_help.py")
 
 
+def is_script(path: str) -> bool:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return 'if __name__ == "__main__":' in f.read()
+
+
+def bench_files() -> list:
+    return sorted(f"bench/{f}" for f in os.listdir(os.path.join(ROOT, "bench"))
+                  if f.endswith(".py"))
+
+
 def scripts() -> list:
-    """The entry points and every bench script (each has a command line)."""
-    bench = sorted(f"bench/{f}" for f in os.listdir(os.path.join(ROOT, "bench"))
-                   if f.endswith(".py"))
-    return ENTRY_POINTS + bench
+    """The entry points and every bench script (each has a command line; a bench file
+    without one is a library of the scripts: test_bench_libraries_are_used)."""
+    return ENTRY_POINTS + [f for f in bench_files() if is_script(f)]
+
+
+def test_bench_libraries_are_used():
+    """A bench file with no command line holds what several scripts share; some bench script
+    must import it, or it is dead code."""
+    sources = {f: open(os.path.join(ROOT, f), encoding="utf-8").read() for f in bench_files()}
+    for lib in (f for f in bench_files() if not is_script(f)):
+        name = os.path.basename(lib)[:-len(".py")]
+        users = [f for f, src in sources.items() if f != lib and is_script(f)
+                 and (f"import {name}" in src or f"from {name} import" in src)]
+        assert users, f"{lib} has no command line and no bench script imports it"
 
 
 @pytest.fixture(scope="module")
