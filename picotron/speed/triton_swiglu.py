@@ -124,9 +124,9 @@ def _swiglu_bwd(dh_ptr, gu_ptr, dgu_ptr, amax_ptr, n_rows, n_cols, dh_stride, gu
     tl.store(out_ptrs + n_cols, dup, mask=mask)
     if STORE_H:
         tl.store(dh_ptrs, h.to(dh_ptr.dtype.element_ty), mask=mask)
-    if AMAX:                                     # masked elements are 0 (dh = 0 there)
-        _amax_into(amax_ptr, tl.maximum(tl.abs(dgate.to(tl.float32)),
-                                        tl.abs(dup.to(tl.float32))))
+    if AMAX:        # masked elements are 0 (dh = 0 there); one max each: NaNs kept (bits)
+        _amax_into(amax_ptr, dgate.to(tl.float32))
+        _amax_into(amax_ptr, dup.to(tl.float32))
 
 
 def _launch(kernel, n_rows, n_cols, *args, **constexprs):
