@@ -67,12 +67,14 @@ def gemm_errors(recipe):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("n,k", [(4096, 960), (4096, 2560), (32768, 2048), (8192, 8192)])
-def test_cast_kernels_equal_the_reference_on_gpu(n, k):
+def test_cast_kernels_equal_the_reference_on_gpu(n, k, dtype):
     """Our kernels against the reference at real projection shapes (1.7B: 32768 tokens of
-    2048, and W_down's 8192 columns): q, q^T and scales bit for bit."""
+    2048, and W_down's 8192 columns): q, q^T and scales bit for bit, from bf16 and from fp32
+    (the master weights' and fp32 gradients' dtype)."""
     for fmt in (E4M3, E5M2):
-        x = operand(n, k, torch.bfloat16)
+        x = operand(n, k, dtype)
         for scaling, rows, transposed in LAYOUTS:
             want = reference(x, fmt, scaling, reference_amax(x, scaling), rows, transposed)
             assert_same(quantize(x, fmt, scaling, rows=rows, transposed=transposed), want,

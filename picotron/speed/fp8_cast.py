@@ -71,8 +71,10 @@ def _fp8_values(v, EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: t
     and with EXACT_ROUND (the interpreter) already rounded onto the FP8 grid."""
     if EXACT_ROUND:
         return _fp8_round(v, FP8_MAX, MANTISSA, MIN_EXP)
-    nan = tl.PropagateNan.ALL            # a NaN stays one (min/max would drop it)
-    return tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan)
+    # PropagateNan.ALL: a NaN stays one (min/max would drop it); written at each call, as a
+    # jitted function cannot hold the enum in a variable
+    v = tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(v, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -171,8 +173,10 @@ def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.const
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=mask)
     if WRITE_QT:
-        tl.store(qt_ptr + cols64[:, None] * N + rows[None, :],
-                 tl.trans(q).to(qt_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+        # converted to FP8 before the transpose: one byte a value through it, not four
+        qt = tl.trans(q.to(qt_ptr.dtype.element_ty))
+        tl.store(qt_ptr + cols64[:, None] * N + rows[None, :], qt,
+                 mask=col_ok[:, None] & row_ok[None, :])
 
 
 # Tiles measured on an H200 (bench/fp8_cast_tiles.py; bench/NOTES.md), and small ones for the
@@ -234,6 +238,13 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
     """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
     returns it; all-reduced already where another rank holds part of what it spans)."""
     x = _unit_columns(x)
+    if x.is_cuda and x.dtype == torch.float32 and rows and transposed:
+        # Measured on an H200 (Triton 3.6): from an fp32 x, the kernel that writes both q and
+        # q^T stores q^T wrong (rows of one repeated byte), whatever the tile; each alone is
+        # right. FP8 training casts bf16 (fp32 comes from the tests' fp32 models), so the
+        # second pass costs no real run anything.
+        q, _, scale = cast(x, amax_, fp8_dtype, scaling, rows=True)
+        return q, cast(x, amax_, fp8_dtype, scaling, rows=False, transposed=True)[1], scale
     (N, K), (bm, bk, warps) = x.shape, _tile("cast", x)
     q = torch.empty((N, K), dtype=fp8_dtype, device=x.device) if rows else None
     qt = torch.empty((K, N), dtype=fp8_dtype, device=x.device) if transposed else None
