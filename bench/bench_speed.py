@@ -13,7 +13,8 @@ synthetic tokens (the same windows for every run), it times:
   training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
   which with our kernels recomputes the SwiGLU output; a label ending in " chunk1024" sets
   training.loss_chunk_tokens, one in " cat" concatenates the fused projections' weights each
-  step instead of using them in place). As in train.py, a step's loss is read once the next
+  step instead of using them in place; "<row> fp8 tensorwise" runs that row with FP8 GEMMs,
+  training.fp8). As in train.py, a step's loss is read once the next
   step is queued (picotron.utils.StepValues); the "item" row reads it at once, as HF does;
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
@@ -185,7 +186,9 @@ def maker(label, shape, mbs, seq, ckpt=None):
         from picotron.speed import fused_linear
         fused_linear.stacked = lambda weights: torch.cat(weights, dim=0)
         label = label[:-len(" cat")]
-    chunk = 0
+    chunk, fp8 = 0, "none"
+    if " fp8 " in label:                  # "<row> fp8 tensorwise": that row with FP8 GEMMs
+        label, fp8 = label.split(" fp8 ")
     if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk1024": loss_chunk_tokens
         label, chunk = label.rpartition(" ")[0], int(label.rpartition(" chunk")[2])
     if label == "floor":
@@ -194,7 +197,7 @@ def maker(label, shape, mbs, seq, ckpt=None):
         o = OURS[label]
         return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
                                    label.endswith("graphs") and (ckpt or o[4]) != "full",
-                                   label.endswith(" item"), chunk)
+                                   label.endswith(" item"), chunk, fp8)
     return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
 
 
