@@ -5,7 +5,12 @@ config_checks.layout_errors calls these beside its checks of the layout itself; 
 module, this one imports nothing of the package.
 """
 
-FP8 = ("none", "tensorwise", "rowwise", "rowwise_bf16_dw")      # training.fp8
+FP8 = ("auto", "none", "tensorwise", "rowwise", "rowwise_bf16_dw")      # training.fp8
+# training.fp8="auto" picks tensorwise from this hidden size up. Measured on one H200
+# (bench/NOTES.md): SmolLM-1.7B (hidden 2048) 1.35x HF + Liger in FP8 against 1.02x in bf16,
+# the Llama-3-8B shape 1.38x; but SmolLM-360M (960) only broke even and 135M (576) ran at
+# 0.62x of bf16: their GEMMs are too small to cover the host's time to launch the casts.
+FP8_AUTO_MIN_HIDDEN = 2048
 
 
 def cuda_graph_problems(d, t, m):
@@ -66,6 +71,27 @@ def fp8_problems(config) -> list:
                         f"multiples of 16 (FP8 GEMMs), but {', '.join(odd)}; change them or "
                         f"set training.fp8='none'")
     return problems
+
+
+def fp8_tensor_cores() -> bool:
+    """Whether this process sees a GPU with FP8 tensor cores (sm89+: Ada, Hopper and later)."""
+    import torch                  # here only: the config modules import nothing heavy at load
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_auto_choice(config) -> str:
+    """What training.fp8="auto" resolves to on a GPU run: "tensorwise" where it measured
+    faster (hidden_size >= FP8_AUTO_MIN_HIDDEN, FP8 tensor cores) and the rest of the config
+    lets FP8 run (no fp8_problems, no tp_comm_overlap); else "none"."""
+    t = config.training
+    if (config.model.hidden_size < FP8_AUTO_MIN_HIDDEN or config.distributed.tp_comm_overlap
+            or not fp8_tensor_cores()):
+        return "none"
+    asked, t.fp8 = t.fp8, "tensorwise"
+    try:
+        return "none" if fp8_problems(config) else "tensorwise"
+    finally:
+        t.fp8 = asked
 
 
 def tp_overlap_problems(config) -> list:

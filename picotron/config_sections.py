@@ -108,10 +108,11 @@ class TrainingConfig:
     activation_checkpointing_layers: Optional[int] = None
     compile: bool = False              # torch.compile each decoder layer
     cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
-    # none | tensorwise | rowwise | rowwise_bf16_dw: the decoder layers' projection GEMMs in
-    # FP8, one scale per tensor or per row, the last with the weight-gradient GEMM in bf16
-    # (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only
-    fp8: str = "none"
+    # auto | none | tensorwise | rowwise | rowwise_bf16_dw: the decoder layers' projection
+    # GEMMs in FP8, one scale per tensor or per row, the last with the weight-gradient GEMM in
+    # bf16 (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only. "auto":
+    # tensorwise where it measured faster (config_features.fp8_auto_choice), else none
+    fp8: str = "auto"
 
 
 @dataclass

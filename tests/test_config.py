@@ -189,10 +189,12 @@ def test_auto_resolves_to_the_fast_path_on_gpus_and_the_reference_on_cpu():
         "triton", "chunked", "full")
     c = config_from_dict({"distributed": {"use_cpu": True}})
     assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
-                               "training.activation_checkpointing": "none"}
+                               "training.activation_checkpointing": "none",
+                               "training.fp8": "none"}
     resolve_auto(c)                   # apply_speed resolves again: nothing left, record kept
     assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
-                               "training.activation_checkpointing": "none"}
+                               "training.activation_checkpointing": "none",
+                               "training.fp8": "none"}
     kept = config_from_dict({}, resolve=False)          # what create_config.py writes
     assert (kept.model.kernels, kept.training.fused_loss,
             kept.training.activation_checkpointing) == ("auto", "auto", "auto")

@@ -1,9 +1,11 @@
 """training.fp8's config and device checks: `none` swaps nothing, the config's refusals (CPU,
-unknown recipe, dtype, CUDA graphs, sizes not multiples of 16), and GPUs without FP8 GEMMs
-refused by name or by the GEMM's own error. The FP8 math is tests/test_fp8.py's."""
+unknown recipe, dtype, CUDA graphs, sizes not multiples of 16), what "auto" picks, and GPUs
+without FP8 GEMMs refused by name or by the GEMM's own error. The FP8 math is
+tests/test_fp8.py's."""
 import pytest
 import torch
 
+from picotron import config_features
 from picotron.config import ConfigError, config_from_dict
 from picotron.model import Decoder
 from picotron.speed import fp8_layers
@@ -27,7 +29,8 @@ def refusal(**training):
 
 def test_config_refusals():
     assert "distributed.use_cpu is true; set training.fp8='none'" in refusal(use_cpu=True)
-    assert "one of ('none', 'tensorwise', 'rowwise', 'rowwise_bf16_dw')" in refusal(fp8="e4m3")
+    assert "one of ('auto', 'none', 'tensorwise', 'rowwise', 'rowwise_bf16_dw')" in refusal(
+        fp8="e4m3")
     assert "set training.dtype='bfloat16'" in refusal(dtype="float16")
     assert "training.cuda_graphs" in refusal(cuda_graphs=True)
     message = refusal(seq_length=100, micro_batch_size=1)
@@ -35,6 +38,32 @@ def test_config_refusals():
     ok = config_from_dict({"distributed": {"use_cpu": False},
                            "training": {"dtype": "bfloat16", "fp8": "rowwise"}})
     assert ok.training.fp8 == "rowwise"
+
+
+def test_auto_picks_tensorwise_where_it_was_measured_faster(monkeypatch):
+    """From hidden_size 2048 on a GPU with FP8 tensor cores, when nothing in the config keeps
+    FP8 from running; otherwise bf16 ("none"), never a refusal. Explicit values stay."""
+    def auto(hidden=2048, tensor_cores=True, **sections):
+        monkeypatch.setattr(config_features, "fp8_tensor_cores", lambda: tensor_cores)
+        raw = {"model": {"hidden_size": hidden, "intermediate_size": 3 * hidden,
+                         "num_attention_heads": 16, "num_key_value_heads": 4},
+               "distributed": {"use_cpu": False, **sections.get("distributed", {})},
+               "training": {"dtype": "bfloat16", **sections.get("training", {})}}
+        config = config_from_dict(raw)
+        assert config.auto_resolved.get("training.fp8", "kept") in (config.training.fp8, "kept")
+        return config.training.fp8
+    assert auto() == "tensorwise"
+    assert auto(hidden=960) == "none"                       # 360M's width: measured no gain
+    assert auto(tensor_cores=False) == "none"               # an A100, or no GPU in sight
+    assert auto(distributed={"use_cpu": True}) == "none"
+    assert auto(training={"dtype": "float32"}) == "none"
+    assert auto(training={"cuda_graphs": True}) == "none"
+    assert auto(training={"seq_length": 100, "micro_batch_size": 1}) == "none"  # not x16
+    assert auto(distributed={"tp_size": 2, "sequence_parallel": True,
+                             "tp_comm_overlap": True}) == "none"
+    assert auto(distributed={"tp_size": 2}) == "tensorwise"
+    assert auto(hidden=960, training={"fp8": "rowwise"}) == "rowwise"
+    assert config_from_dict({}, resolve=False).training.fp8 == "auto"     # what create_config writes
 
 
 def test_gpus_without_fp8_are_refused(monkeypatch):
