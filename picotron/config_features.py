@@ -81,10 +81,12 @@ def fp8_tensor_cores() -> bool:
 
 def fp8_auto_choice(config) -> str:
     """What training.fp8="auto" resolves to on a GPU run: "tensorwise" where it measured
-    faster (hidden_size >= FP8_AUTO_MIN_HIDDEN, FP8 tensor cores) and the rest of the config
-    lets FP8 run (no fp8_problems, no tp_comm_overlap); else "none"."""
-    t = config.training
-    if (config.model.hidden_size < FP8_AUTO_MIN_HIDDEN or config.distributed.tp_comm_overlap
+    faster (hidden_size >= FP8_AUTO_MIN_HIDDEN, FP8 tensor cores, tp_size 1) and the rest of
+    the config lets FP8 run (no fp8_problems, no tp_comm_overlap); else "none". Under tensor
+    parallelism each cast's amax is all-reduced over the TP group and the GEMMs are 1/tp the
+    size: not yet measured on GPUs, so not chosen for the user."""
+    t, d = config.training, config.distributed
+    if (config.model.hidden_size < FP8_AUTO_MIN_HIDDEN or d.tp_size > 1 or d.tp_comm_overlap
             or not fp8_tensor_cores()):
         return "none"
     asked, t.fp8 = t.fp8, "tensorwise"
