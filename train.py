@@ -30,6 +30,7 @@ from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_s
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
 from picotron.run_report import describe_run, exit_with_error, record_launch, summary
 from picotron.speed import apply_speed, build_optimizer, capture_layers
+from picotron.speed.fp8_layers import settle_auto_fp8
 from picotron.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
 from picotron.utils import (MetricsLog, StepValues, import_loggers, lr_at, set_cpu_threads,
@@ -61,6 +62,9 @@ def setup(config_path, overrides=()):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
+        fallback = settle_auto_fp8(config)     # FP8 that "auto" chose, where torch lacks it
+        if fallback and rank == 0:
+            print(fallback, file=sys.stderr, flush=True)
     check_memory(config, device)    # the estimate must fit before anything is allocated
     # A rank blocked longer than timeout_s (e.g. receiving from a stage that died) fails.
     timeout = datetime.timedelta(seconds=config.distributed.timeout_s)

@@ -9,7 +9,7 @@ from picotron import config_features
 from picotron.config import ConfigError, config_from_dict
 from picotron.model import Decoder
 from picotron.speed import fp8_layers
-from picotron.speed.fp8_layers import Fp8Linear, apply_fp8, check_fp8_device
+from picotron.speed.fp8_layers import Fp8Linear, apply_fp8, check_fp8_device, settle_auto_fp8
 from test_fp8 import fp8_config
 
 def test_none_changes_nothing():
@@ -84,3 +84,24 @@ def test_gpus_without_fp8_are_refused(monkeypatch):
         check_fp8_device(config)
     monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: None)
     check_fp8_device(config)
+
+
+def test_what_auto_chose_falls_back_to_bf16_where_torch_cannot_run_it(monkeypatch):
+    """An FP8 recipe that "auto" chose and this GPU's torch cannot run: bf16, said in one line
+    (and on the run's first line); one the user asked for is left to check_fp8_device."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")
+    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: "no FP8 GEMM here")
+    config = fp8_config("tensorwise")
+    config.auto_resolved = {"training.fp8": "tensorwise"}
+    line = settle_auto_fp8(config)
+    assert line.startswith("training.fp8=auto: NVIDIA L4 with torch ") and \
+        "cannot run 'tensorwise' FP8 GEMMs (no FP8 GEMM here); training in bf16" in line
+    assert config.training.fp8 == config.auto_resolved["training.fp8"] == "none"
+    model = apply_fp8(Decoder(config.model), config)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    asked = fp8_config("tensorwise")                  # no auto record: the user's choice
+    assert settle_auto_fp8(asked) is None and asked.training.fp8 == "tensorwise"
+    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: None)
+    runs = fp8_config("tensorwise")
+    runs.auto_resolved = {"training.fp8": "tensorwise"}
+    assert settle_auto_fp8(runs) is None and runs.training.fp8 == "tensorwise"

@@ -22,7 +22,8 @@ never saved (not under ZeRO-3, `_cache`).
 
 Applied after speed/kernels.py (whose classes it must see) and before recompute.py.
 Refused on CPU and on GPUs without FP8 tensor cores (config_features.fp8_problems, and
-`check_fp8_device` when the run is built).
+`check_fp8_device` when the run is built); what "auto" chose falls back to bf16 instead
+(`settle_auto_fp8`, called by train.py once the GPU is set).
 """
 import torch
 import torch.nn as nn
@@ -80,6 +81,22 @@ def check_fp8_device(config):
         fix = "'tensorwise' or 'none'" if recipe.startswith("rowwise") else "'none'"
         raise ConfigError(f"training.fp8='{recipe}' cannot run on {name} ({major}.{minor}) "
                           f"with torch {torch.__version__}: {error}; set training.fp8={fix}")
+
+
+def settle_auto_fp8(config):
+    """When training.fp8="auto" chose an FP8 recipe (config.resolve_auto) that this GPU's torch
+    cannot run, train in bf16 instead of failing a run the user never asked FP8 of: set
+    "none" (the run's first line then says so) and return the line to print; else None."""
+    recipe = config.training.fp8
+    if getattr(config, "auto_resolved", {}).get("training.fp8", "none") != recipe:
+        return None                                          # asked for, or none: as it is
+    error = fp8_gemm_error(recipe)
+    if error is None:
+        return None
+    config.training.fp8 = config.auto_resolved["training.fp8"] = "none"
+    return (f"training.fp8=auto: {torch.cuda.get_device_name()} with torch "
+            f"{torch.__version__} cannot run '{recipe}' FP8 GEMMs ({error}); training in bf16. "
+            f"Set training.fp8='none' to skip this check")
 
 
 def fp8_gemm_error(recipe: str):
