@@ -79,15 +79,17 @@ def fp8_tensor_cores() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def fp8_auto_choice(config) -> str:
+def fp8_auto_choice(config, tensor_cores=None) -> str:
     """What training.fp8="auto" resolves to on a GPU run: "tensorwise" where it measured
     faster (hidden_size >= FP8_AUTO_MIN_HIDDEN, FP8 tensor cores, tp_size 1) and the rest of
     the config lets FP8 run (no fp8_problems, no tp_comm_overlap); else "none". Under tensor
     parallelism each cast's amax is all-reduced over the TP group and the GEMMs are 1/tp the
-    size: not yet measured on GPUs, so not chosen for the user."""
+    size: not yet measured on GPUs, so not chosen for the user. `tensor_cores`: whether the GPU
+    has FP8 tensor cores, when it is not this process's (None: ask this process's)."""
     t, d = config.training, config.distributed
+    tensor_cores = fp8_tensor_cores() if tensor_cores is None else tensor_cores
     if (config.model.hidden_size < FP8_AUTO_MIN_HIDDEN or d.tp_size > 1 or d.tp_comm_overlap
-            or not fp8_tensor_cores()):
+            or not tensor_cores):
         return "none"
     asked, t.fp8 = t.fp8, "tensorwise"
     try:

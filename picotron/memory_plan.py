@@ -24,6 +24,7 @@ import torch
 
 from picotron.config import resolve_auto
 from picotron.config_checks import layout_errors
+from picotron.config_features import fp8_auto_choice
 from picotron.errors import ConfigError
 from picotron.memory_activations import BYTES, Row, activation_rows, rank_layer_spans
 
@@ -269,7 +270,29 @@ def main(argv=None):
     from picotron.config import load_config
     p = argparse.ArgumentParser(description="Print the memory estimate of a config.json.")
     p.add_argument("config", help="path to a config.json (create_config.py writes one)")
-    print(describe(estimate(load_config(p.parse_args(argv).config))))
+    config = load_config(p.parse_args(argv).config)
+    e = estimate(config)
+    print(describe(e))
+    note = fp8_auto_note(config, e)
+    if note:
+        print(note)
+
+
+def fp8_auto_note(config, e: Estimate):
+    """Where training.fp8=auto resolved to none only because this machine (a login node, say)
+    has no GPU with FP8 tensor cores: what the estimate grows by on one that has them."""
+    if (config.distributed.use_cpu
+            or getattr(config, "auto_resolved", {}).get("training.fp8") != "none"):
+        return None
+    chosen = fp8_auto_choice(config, tensor_cores=True)
+    if chosen == "none":
+        return None
+    there = copy.deepcopy(config)
+    there.training.fp8 = chosen
+    more = estimate(there).device_bytes - e.device_bytes
+    return (f"training.fp8=auto is counted as 'none' here: this machine has no GPU with FP8 "
+            f"tensor cores. On one that has them (H100, H200) it picks '{chosen}' for this "
+            f"model: {more / GiB:.3f} GiB more per device (FP8 weight copies).")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from launch import ROOT
 from picotron.attention import eager_attention, sdpa_attention
 from picotron.config import config_from_dict
 from picotron.memory_activations import in_flight, layer_bytes, rank_layer_spans
-from picotron.memory_plan import GiB, estimate, memory_errors, rank_params
+from picotron.memory_plan import GiB, estimate, fp8_auto_note, memory_errors, rank_params
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel.schedules import peak_alive, schedule_orders
 from picotron.pipeline_parallel.stage import rank_chunks
@@ -139,6 +139,25 @@ def test_the_estimate_scales_with_the_layout():
     # offloading moves the AdamW state to the host
     off = estimate(config({"distributed.offload_optim_frac": 1.0}))
     assert row(off, "AdamW state") == 0 and row(off, "CPU-offloaded AdamW state") > 0
+
+
+def test_a_plan_made_without_an_fp8_gpu_says_what_auto_adds_on_one(monkeypatch):
+    """On a machine without FP8 tensor cores training.fp8=auto counts as none; the command
+    line then says what a GPU that has them adds: the FP8 weight copies, 2 B a projection
+    parameter. Nothing to say for a model auto keeps in bf16, or a CPU run."""
+    from picotron import config_features
+    monkeypatch.setattr(config_features, "fp8_tensor_cores", lambda: False)
+    wide = {"model": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 2,
+                      "num_attention_heads": 16, "num_key_value_heads": 4},
+            "training": {"dtype": "bfloat16"}}
+    here = config_from_dict(wide)
+    assert here.training.fp8 == "none"
+    note = fp8_auto_note(here, estimate(here))
+    projections = 2 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 5632)
+    assert f"picks 'tensorwise' for this model: {projections * 2 / GiB:.3f} GiB more" in note
+    assert fp8_auto_note(config(), estimate(config())) is None              # hidden 256
+    cpu = config_from_dict({**wide, "distributed": {"use_cpu": True}})
+    assert fp8_auto_note(cpu, estimate(cpu)) is None
 
 
 def test_refusal_names_the_biggest_parts_and_what_would_fit():
