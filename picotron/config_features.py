@@ -4,6 +4,7 @@ the fix: CUDA graphs, FP8 GEMMs, tensor-parallel communication overlap, ZeRO-3.
 config_checks.layout_errors calls these beside its checks of the layout itself; like that
 module, this one imports nothing of the package.
 """
+import dataclasses
 
 FP8 = ("auto", "none", "tensorwise", "rowwise", "rowwise_bf16_dw")      # training.fp8
 # training.fp8="auto" picks tensorwise from this hidden size up. Measured on one H200
@@ -86,16 +87,14 @@ def fp8_auto_choice(config, tensor_cores=None) -> str:
     parallelism each cast's amax is all-reduced over the TP group and the GEMMs are 1/tp the
     size: not yet measured on GPUs, so not chosen for the user. `tensor_cores`: whether the GPU
     has FP8 tensor cores, when it is not this process's (None: ask this process's)."""
-    t, d = config.training, config.distributed
-    tensor_cores = fp8_tensor_cores() if tensor_cores is None else tensor_cores
-    if (config.model.hidden_size < FP8_AUTO_MIN_HIDDEN or d.tp_size > 1 or d.tp_comm_overlap
-            or not tensor_cores):
+    d = config.distributed
+    if config.model.hidden_size < FP8_AUTO_MIN_HIDDEN or d.tp_size > 1 or d.tp_comm_overlap:
         return "none"
-    asked, t.fp8 = t.fp8, "tensorwise"
-    try:
-        return "none" if fp8_problems(config) else "tensorwise"
-    finally:
-        t.fp8 = asked
+    if not (fp8_tensor_cores() if tensor_cores is None else tensor_cores):
+        return "none"
+    tried = dataclasses.replace(
+        config, training=dataclasses.replace(config.training, fp8="tensorwise"))
+    return "none" if fp8_problems(tried) else "tensorwise"
 
 
 def tp_overlap_problems(config) -> list:

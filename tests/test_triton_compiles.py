@@ -12,6 +12,7 @@ sm_90 down to the cubin (Triton ships its own ptxas). Two things differ from a G
 purpose: EXACT_ROUND (the interpreter-only rounding) is compiled off, as the GPU runs it, and
 the tiles are the small CPU ones.
 """
+import functools
 import json
 import os
 import subprocess
@@ -27,13 +28,13 @@ if torch.cuda.is_available():   # there the GPU tests compile and run every kern
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from launch import ROOT  # noqa: E402
 from picotron.loss import causal_lm_loss  # noqa: E402
 from picotron.model import Decoder  # noqa: E402
 from picotron.speed import apply_speed, fp8_quantize, triton_loss  # noqa: E402
 from picotron.speed.triton_adamw import adamw_step  # noqa: E402
 from test_fp8 import fp8_config  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5", torch.int32: "*i32",
            torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
@@ -49,12 +50,18 @@ def scalar_type(value):
     return "fp32"
 
 
+@functools.cache
+def kernel_params(fn):
+    """The kernel's parameters as Triton sees them (name, is_constexpr, default): read once."""
+    return JITFunction(fn).params
+
+
 def launch_key(fn, args, kwargs):
     """(fn, signature, constants, options) of one launch, hashable: what Triton compiles."""
-    jit = JITFunction(fn)
-    bound = dict(zip([p.name for p in jit.params], args)) | kwargs
+    params = kernel_params(fn)
+    bound = dict(zip([p.name for p in params], args)) | kwargs
     signature, constants = {}, {}
-    for p in jit.params:
+    for p in params:
         value = bound.get(p.name, p.default)
         if p.is_constexpr or value is None:
             signature[p.name] = "constexpr"

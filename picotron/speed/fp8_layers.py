@@ -66,9 +66,11 @@ def check_fp8_device(config):
     """On a GPU, refuse one without FP8 tensor cores (compute capability below 8.9: Ada,
     Hopper and Blackwell have them) before any step runs, then try the recipe's GEMMs once on
     a tiny matrix: a torch or a GPU without them (row-scaled GEMMs came to Hopper first) is
-    refused here, in one line, not in the middle of the first step."""
+    refused here, in one line, not in the middle of the first step. A recipe "auto" chose is
+    not probed again: train.py's settle_auto_fp8 has (and it only chooses on sm89+)."""
     recipe = config.training.fp8
-    if recipe == "none" or config.distributed.use_cpu:
+    if recipe == "none" or config.distributed.use_cpu \
+            or getattr(config, "auto_resolved", {}).get("training.fp8") == recipe:
         return
     major, minor = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
