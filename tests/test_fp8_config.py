@@ -1,5 +1,5 @@
 """training.fp8's config and device checks: `none` swaps nothing, the config's refusals (CPU,
-unknown recipe, dtype, CUDA graphs, sizes not multiples of 16), what "auto" picks, and GPUs
+unknown recipe, dtype, sizes not multiples of 16), what "auto" picks, and GPUs
 without FP8 GEMMs refused by name or by the GEMM's own error. The FP8 math is
 tests/test_fp8.py's."""
 import pytest
@@ -32,7 +32,6 @@ def test_config_refusals():
     assert "one of ('auto', 'none', 'tensorwise', 'rowwise', 'rowwise_bf16_dw')" in refusal(
         fp8="e4m3")
     assert "set training.dtype='bfloat16'" in refusal(dtype="float16")
-    assert "training.cuda_graphs" in refusal(cuda_graphs=True)
     message = refusal(seq_length=100, micro_batch_size=1)
     assert "multiples of 16" in message and "(tokens)=100" in message
     ok = config_from_dict({"distributed": {"use_cpu": False},
@@ -58,7 +57,7 @@ def test_auto_picks_tensorwise_where_it_was_measured_faster(monkeypatch):
     assert auto(tensor_cores=False) == "none"               # an A100, or no GPU in sight
     assert auto(distributed={"use_cpu": True}) == "none"
     assert auto(training={"dtype": "float32"}) == "none"
-    assert auto(training={"cuda_graphs": True}) == "none"
+    assert auto(training={"cuda_graphs": True}) == "tensorwise"    # graphs recast in place
     assert auto(training={"seq_length": 100, "micro_batch_size": 1}) == "none"  # not x16
     assert auto(distributed={"tp_size": 2}) == "none"      # not measured under tp yet
     assert auto(distributed={"tp_comm_overlap": True, "sequence_parallel": True}) == "none"
@@ -105,3 +104,7 @@ def test_what_auto_chose_falls_back_to_bf16_where_torch_cannot_run_it(monkeypatc
     runs = fp8_config("tensorwise")
     runs.auto_resolved = {"training.fp8": "tensorwise"}
     assert settle_auto_fp8(runs) is None and runs.training.fp8 == "tensorwise"
+    monkeypatch.setattr(fp8_layers, "fp8_gemm_error", lambda recipe: pytest.fail("probed"))
+    bf16 = fp8_config("none")               # what auto picks below hidden_size 2048: no probe
+    bf16.auto_resolved = {"training.fp8": "none"}
+    assert settle_auto_fp8(bf16) is None and bf16.training.fp8 == "none"

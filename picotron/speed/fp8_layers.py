@@ -90,8 +90,8 @@ def settle_auto_fp8(config):
     cannot run, train in bf16 instead of failing a run the user never asked FP8 of: set
     "none" (the run's first line then says so) and return the line to print; else None."""
     recipe = config.training.fp8
-    if getattr(config, "auto_resolved", {}).get("training.fp8", "none") != recipe:
-        return None                                          # asked for, or none: as it is
+    if recipe == "none" or getattr(config, "auto_resolved", {}).get("training.fp8") != recipe:
+        return None                                   # bf16, or a recipe asked for by name
     error = fp8_gemm_error(recipe)
     if error is None:
         return None
