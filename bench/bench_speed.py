@@ -5,9 +5,10 @@
 For each shape, seq 2048, micro-batch 16, bf16 parameters, fused AdamW, no accumulation,
 synthetic tokens (the same windows for every run), it times:
 - ours: train.py's own build_training and train_step, as its loop calls them, with the fast
-  options of each row ("ours defaults": no option set, what "auto" picks on a GPU; "ours
-  plain": the readable reference; "ours triton":
-  model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
+  options of each row ("ours auto": no option set, what a run gets on a GPU; "ours
+  defaults": what "auto" picks for the kernels, loss and recomputation, with the layers
+  eager (no CUDA graphs) and in bf16 (no FP8); "ours plain": the readable reference;
+  "ours triton": model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
   both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "our-loss":
   training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
   training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
@@ -56,7 +57,8 @@ from matmul_floor import floor_runner  # noqa: E402
 
 PEAK = 989.5e12
 # label: (master_weights, kernels, fused_loss, compile, checkpointing, attn_implementation)
-OURS = {"ours defaults": (False, "auto", "auto", False, "auto", "sdpa"),
+OURS = {"ours auto": (False, "auto", "auto", False, "auto", "sdpa"),
+        "ours defaults": (False, "auto", "auto", False, "auto", "sdpa"),
         "ours defaults fp32-master": (True, "auto", "auto", False, "auto", "sdpa"),
         "ours plain": (False, "torch", "none", False, "none", "sdpa"),
         "ours liger": (False, "liger", "liger", False, "none", "sdpa"),
@@ -195,8 +197,10 @@ def maker(label, shape, mbs, seq, ckpt=None):
         return lambda: floor_runner(config_from_dict(base_config(shape, mbs, seq)).model, mbs, seq)
     if label.startswith("ours"):
         o = OURS[label]
-        return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5],
-                                   label.endswith("graphs") and (ckpt or o[4]) != "full",
+        graphs = label.endswith("graphs") and (ckpt or o[4]) != "full"
+        if label == "ours auto":                     # training.cuda_graphs and fp8 too
+            graphs, fp8 = "auto", "auto"
+        return lambda: ours_runner(shape, mbs, seq, *o[:4], ckpt or o[4], o[5], graphs,
                                    label.endswith(" item"), chunk, fp8)
     return lambda: hf_runner(shape, mbs, seq, label == "hf+liger", ckpt == "full")
 

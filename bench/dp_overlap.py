@@ -140,7 +140,7 @@ def run_variant(args, name):
              str(args.mbs), "--seq_len", str(args.seq), "--dataset_name", "synthetic",
              "--total_train_steps", "16", "--set", "training.dtype=bfloat16",
              "--set", "training.master_weights=false", "--set", "checkpoint.save_frequency=0",
-             "--set", "training.fp8=none"]
+             "--set", "training.fp8=none", "--set", "training.cuda_graphs=false"]
             + (["--use_cpu"] if args.cpu else []) + flags)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
            "--master_port", str(free_port()), os.path.abspath(__file__),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from picotron.config_checks import layout_errors   # the checks live beside, by idea
-from picotron.config_features import fp8_auto_choice
+from picotron.config_features import cuda_graphs_auto_choice, fp8_auto_choice
 from picotron.config_ranges import range_errors
 from picotron.config_sections import (CheckpointConfig, DatasetConfig,  # noqa: F401
                                       DistributedConfig, LoggingConfig, ModelConfig,
@@ -144,8 +144,10 @@ def resolve_auto(config: Config) -> None:
     inside the MLP: the speed of no recomputation at a fraction of the memory) and the Triton
     fused loss, except that under tensor parallelism the loss is the vocab-parallel one (it
     never gathers the logits either), and that with training.compile the compiler gets the
-    readable ops to fuse; FP8 GEMMs (tensorwise) for models wide enough that they pay, on
-    GPUs that have FP8 tensor cores (config_features.fp8_auto_choice)."""
+    readable ops to fuse; CUDA graphs over the layers of one-GPU runs of small models, where
+    the host's launches would limit the step (config_features.cuda_graphs_auto_choice);
+    FP8 GEMMs (tensorwise) for models wide enough that they pay, on GPUs that have FP8
+    tensor cores (config_features.fp8_auto_choice)."""
     m, t = config.model, config.training
     gpu = not config.distributed.use_cpu
     chosen = {}
@@ -158,6 +160,8 @@ def resolve_auto(config: Config) -> None:
         ours = gpu and m.kernels == "triton"
         t.activation_checkpointing = chosen["training.activation_checkpointing"] = (
             "selective" if ours else "none")
+    if t.cuda_graphs == "auto":                      # before FP8, whose choice depends on it
+        t.cuda_graphs = chosen["training.cuda_graphs"] = gpu and cuda_graphs_auto_choice(config)
     if t.fp8 == "auto":
         t.fp8 = chosen["training.fp8"] = fp8_auto_choice(config) if gpu else "none"
     config.auto_resolved = {**getattr(config, "auto_resolved", {}), **chosen}

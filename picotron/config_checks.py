@@ -146,7 +146,9 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
     if gpu_only and d.use_cpu:
         errors.append(f"{' and '.join(gpu_only)} runs Triton kernels on CUDA GPUs only, "
                       f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
-    if t.cuda_graphs:
+    if t.cuda_graphs not in (True, False, "auto"):
+        errors.append(f"training.cuda_graphs={t.cuda_graphs!r} must be true, false or 'auto'")
+    elif t.cuda_graphs is True:         # "auto" is left only when other errors stopped it
         errors += cuda_graph_problems(d, t, m)
     if t.fp8 != "none":
         errors += fp8_problems(config)

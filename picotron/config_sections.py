@@ -5,7 +5,7 @@ picotron/config.py assembles them into `Config`, loads and validates a file; thi
 the reference of every key (the README's table of options follows it).
 """
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 @dataclass
 class DistributedConfig:
@@ -107,7 +107,10 @@ class TrainingConfig:
     # recomputation of N layers (Megatron's recompute_num_layers, counted over the model)
     activation_checkpointing_layers: Optional[int] = None
     compile: bool = False              # torch.compile each decoder layer
-    cuda_graphs: bool = False          # replay the layers' forward/backward as CUDA graphs
+    # true | false | auto: replay the decoder layers' forward and backward as CUDA graphs
+    # (picotron/speed/cuda_graphs.py). "auto": on for one-GPU runs below hidden_size 2048
+    # whose config allows them (config_features.cuda_graphs_auto_choice), else off
+    cuda_graphs: Union[bool, str] = "auto"
     # auto | none | tensorwise | rowwise | rowwise_bf16_dw: the decoder layers' projection
     # GEMMs in FP8, one scale per tensor or per row, the last with the weight-gradient GEMM in
     # bf16 (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only. "auto":

@@ -22,7 +22,8 @@ def describe_run(config, pgm, device, run_dir) -> str:
     """The run's first lines: what "auto" chose, the grid, the model, the batch."""
     d, t = config.distributed, config.training
     auto = getattr(config, "auto_resolved", {})
-    chosen = ", ".join(f"{k}={v}" for k, v in auto.items())
+    chosen = ", ".join(f"{k}={json.dumps(v) if isinstance(v, bool) else v}"   # as --set takes
+                       for k, v in auto.items())
     tokens_per_step = config.global_batch_size * t.seq_length
     flops_tok = flops_per_token(config.model, t.seq_length)
     lines = [f"auto on {device.type}: {chosen}"] if chosen else []

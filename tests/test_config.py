@@ -188,16 +188,42 @@ def test_auto_resolves_to_the_fast_path_on_gpus_and_the_reference_on_cpu():
     assert chosen(training={"fused_loss": "chunked", "activation_checkpointing": "full"}) == (
         "triton", "chunked", "full")
     c = config_from_dict({"distributed": {"use_cpu": True}})
-    assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
-                               "training.activation_checkpointing": "none",
-                               "training.fp8": "none"}
+    record = {"model.kernels": "torch", "training.fused_loss": "none",
+              "training.activation_checkpointing": "none", "training.cuda_graphs": False,
+              "training.fp8": "none"}
+    assert c.auto_resolved == record
     resolve_auto(c)                   # apply_speed resolves again: nothing left, record kept
-    assert c.auto_resolved == {"model.kernels": "torch", "training.fused_loss": "none",
-                               "training.activation_checkpointing": "none",
-                               "training.fp8": "none"}
+    assert c.auto_resolved == record
     kept = config_from_dict({}, resolve=False)          # what create_config.py writes
     assert (kept.model.kernels, kept.training.fused_loss,
             kept.training.activation_checkpointing) == ("auto", "auto", "auto")
+
+
+def test_cuda_graphs_auto_captures_one_gpu_runs_of_small_models():
+    """training.cuda_graphs="auto": on for one GPU below hidden_size 2048 when a graph can
+    hold the layers; off under any parallel axis, for wider models, on CPU, and where the
+    config rules graphs out (then no refusal: "auto" never refuses). Explicit values stay;
+    anything but true, false and "auto" is refused by name."""
+    def graphs(**sections):
+        return config_from_dict(sections).training.cuda_graphs
+    wide = {"hidden_size": 2048, "intermediate_size": 4096, "num_attention_heads": 16,
+            "num_key_value_heads": 4}
+    assert graphs() is True
+    assert graphs(model=wide) is False                      # 1.7B: measured slower
+    assert graphs(distributed={"use_cpu": True}) is False
+    for axis in ("dp_size", "tp_size", "pp_size", "cp_size"):
+        assert graphs(distributed={axis: 2}) is False, axis
+    assert graphs(training={"compile": True}) is False
+    assert graphs(training={"activation_checkpointing": "full"}) is False
+    assert graphs(model={"kernels": "torch"}, training={"activation_checkpointing":
+                                                        "selective"}) is False
+    assert graphs(distributed={"zero_stage": 3}) is False
+    assert graphs(model=wide, training={"cuda_graphs": True}) is True
+    assert graphs(training={"cuda_graphs": False}) is False
+    assert config_from_dict({}, resolve=False).training.cuda_graphs == "auto"
+    with pytest.raises(ConfigError, match=r"training.cuda_graphs='on' must be true, false or "
+                                          r"'auto'"):
+        config_from_dict({"training": {"cuda_graphs": "on"}})
 
 
 def test_a_fused_loss_under_tensor_parallelism_is_refused():

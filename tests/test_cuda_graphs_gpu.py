@@ -9,7 +9,7 @@ validation in eval mode every 3 steps (the eager layers run there, and training 
 the graph after), through train.py's own main. Compared: every step's loss and gradient norm,
 the validation losses and the final weights. Our Triton kernels (model.kernels=triton) and the
 readable ones, in fp32 and bf16; our kernels with "selective" recomputation; fp16 with loss
-scaling; and dp=2 over NCCL with ZeRO stages
+scaling; FP8 GEMMs (tensorwise and rowwise); and dp=2 over NCCL with ZeRO stages
 0 and 2, where the gradient hooks (bucket all-reduce or reduce-scatter) fire after the
 backward graph. (measured: see bench/NOTES.md)
 """
@@ -28,7 +28,8 @@ import create_config  # noqa: E402
 import train  # noqa: E402
 
 
-def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none"):
+def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none", fp8="auto",
+              extra=()):
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", name, "--mbs", "4", "--seq_len", "128",
         "--dp", str(dp), "--zero_stage", str(zero),
@@ -36,9 +37,9 @@ def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none")
         "--set", f"model.kernels={kernels}", "--set", f"training.dtype={dtype}",
         "--set", f"training.master_weights={'false' if dtype == 'bfloat16' else 'true'}",
         "--set", f"training.cuda_graphs={'true' if graphs else 'false'}",
-        "--set", f"training.activation_checkpointing={ckpt}",
+        "--set", f"training.activation_checkpointing={ckpt}", "--set", f"training.fp8={fp8}",
         "--set", "training.val_frequency=3", "--set", "dataset.val_samples=8",
-        "--set", "checkpoint.save_frequency=6"])
+        "--set", "checkpoint.save_frequency=6", *extra])
     if dp == 1:
         train.main(["--config", path])
     else:           # torchrun, NCCL: the reductions run from hooks after the backward graph
@@ -51,17 +52,18 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def compare(tmp_path, kernels, dtype, dp=1, zero=0, ckpt="none"):
+def compare(tmp_path, kernels, dtype, dp=1, zero=0, ckpt="none", fp8="auto"):
     (eager, eager_w), (graphed, graphed_w) = (
-        train_run(tmp_path, f"{kernels}_{dtype}_{dp}_{zero}_{ckpt}_{g}", kernels, dtype, g, dp,
-                  zero, ckpt)
+        train_run(tmp_path, f"{kernels}_{dtype}_{dp}_{zero}_{ckpt}_{fp8}_{g}", kernels, dtype, g,
+                  dp, zero, ckpt, fp8)
         for g in (False, True))
     steps = [r for r in eager if "loss" in r]
     assert len(steps) == 6 and len([r for r in eager if "val_loss" in r]) == 2
     diffs = {key: rel([r[key] for r in graphed if key in r], [r[key] for r in eager if key in r])
              for key in ("loss", "grad_norm", "val_loss")}
     diffs["weights"] = max(rel(graphed_w[n].float(), w.float()) for n, w in eager_w.items())
-    print(f"cuda_graphs vs eager, {kernels} {dtype} dp{dp} zero{zero}: relative differences "
+    print(f"cuda_graphs vs eager, {kernels} {dtype} dp{dp} zero{zero} fp8 {fp8}: relative "
+          f"differences "
           f"{diffs}")
     assert all(d <= 1e-6 for d in diffs.values()), diffs
     assert steps[-1]["loss"] < steps[0]["loss"]          # it trained
@@ -83,6 +85,44 @@ def test_graphed_layers_with_fp16_loss_scaling(tmp_path):
     """fp16 with dynamic loss scaling: the scaled loss's gradient flows through the backward
     graph and is unscaled after it, as in the eager run."""
     compare(tmp_path, "torch", "float16")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores")
+@pytest.mark.parametrize("kernels,ckpt,fp8", [("triton", "selective", "tensorwise"),
+                                              ("triton", "selective", "rowwise"),
+                                              ("torch", "none", "tensorwise")])
+def test_graphed_fp8_layers(tmp_path, kernels, ckpt, fp8):
+    """training.fp8: the weights' FP8 copies recast in place before a replay when the
+    optimizer (or validation's eager forward after it) changed them; the activations' casts
+    and scales inside the graphs."""
+    compare(tmp_path, kernels, "bfloat16", ckpt=ckpt, fp8=fp8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores")
+def test_a_graphed_run_resumes_like_the_run_that_went_on(tmp_path):
+    """A checkpoint loads into the parameters in place, under graphs captured before it (and
+    the FP8 weight copies recast from it): steps 4-6 resumed from the step-3 checkpoint give
+    the losses and final weights of the run that went on, bit for bit."""
+    import json
+    import shutil
+    every_3 = ["--set", "checkpoint.save_frequency=3"]
+    _, straight_w = train_run(tmp_path, "straight", "triton", "bfloat16", True,
+                              ckpt="selective", fp8="tensorwise", extra=every_3)
+    straight = tmp_path / "straight"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step_000003",
+                    resumed / "checkpoints" / "step_000003")
+    raw = json.loads((straight / "config.json").read_text())
+    raw["checkpoint"]["load_path"] = "latest"
+    (resumed / "config.json").write_text(json.dumps(raw))
+    train.main(["--config", str(resumed / "config.json")])
+    a = {r["step"]: r["loss"] for r in read_metrics(str(straight / "config.json")) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(str(resumed / "config.json")) if "loss" in r}
+    assert sorted(b) == [4, 5, 6] and all(b[i] == a[i] for i in b), (a, b)
+    resumed_w = final_weights(str(resumed / "config.json"))
+    assert all(torch.equal(straight_w[n], resumed_w[n]) for n in straight_w)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

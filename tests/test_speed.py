@@ -283,4 +283,5 @@ def test_first_line_says_what_auto_chose(tmp_path, capsys):
     train.main(["--config", path])
     first = capsys.readouterr().out.splitlines()[0]
     assert first == ("auto on cpu: model.kernels=torch, training.fused_loss=none, "
-                     "training.activation_checkpointing=none, training.fp8=none"), first
+                     "training.activation_checkpointing=none, training.cuda_graphs=false, "
+                     "training.fp8=none"), first

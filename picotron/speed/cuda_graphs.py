@@ -19,6 +19,9 @@ What a graph needs, and how each is met here:
   with model.kernels=triton: its recomputation is inside the MLP's own autograd function, not
   torch's checkpoint, so the graphs capture it like any other op). Data parallelism is
   fine: its reductions run from gradient hooks, after the backward graph (no overlap).
+- training.fp8: its weight caches (fp8_weights.py) decide on the host when a weight changed,
+  which a replay would skip; so they recast in place, into the tensors the graphs read, and
+  `refresh` runs that check before each replay. Activations' scales stay on the GPU.
 Memory: the graph's private pool keeps one step's activations and the layers' bf16 weight
 gradients (its outputs) between steps, instead of handing them back to the allocator.
 """
@@ -50,6 +53,9 @@ def capture_layers(model, config, device):
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype
     stack = LayerStack(model)
+    fp8_caches = [m.fp8_cache for m in stack.modules() if getattr(m, "fp8_cache", None)]
+    for cache in fp8_caches:        # before the warm-ups, which cast what the graphs will read
+        cache.in_place = True
     x = torch.randn(B, T, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
     position_ids = torch.arange(T, device=device).expand(B, T).contiguous()
     cos, sin = rope_cos_sin(position_ids, model.head_dim, m.rope_theta, dtype)
@@ -61,6 +67,8 @@ def capture_layers(model, config, device):
     def run_layers(run_keys, x, cos, sin, position_ids):
         if (list(run_keys) == keys and tuple(x.shape) == (B, T, m.hidden_size)
                 and model.training and torch.is_grad_enabled()):
+            for cache in fp8_caches:           # the weights' FP8 copies, recast if stale
+                cache.refresh()
             return graphed(x, cos, sin, position_ids)
         return eager(run_keys, x, cos, sin, position_ids)
     model.run_layers = run_layers

@@ -22,12 +22,18 @@ no storage address, which could differ between ranks. Not used: inside training.
 compiled layers (the compiler fuses the casts into the layer it traces), and under ZeRO-3,
 whose point is not to hold every layer's weights whole (fp8_layers._cache).
 
+Under training.cuda_graphs the replayed graph skips this Python, so the layers' graphs read
+the copies where the capture found them: `in_place` caches recast into those same tensors,
+and cuda_graphs.py calls `refresh` on the host before each replay (the same version check,
+outside the graph).
+
 Memory: W_q and W^T_q, 1 byte each per element, kept between steps: 2 bytes per projection
 parameter, as much as the bf16 weights themselves (3.2 GB at SmolLM-1.7B's 1.6 B projection
 parameters), plus the scales (4 bytes per row, rowwise). Without the cache the same copies
 exist only while a layer runs; the cache trades that memory for 2 x grad_acc_steps casts.
 """
 from picotron.speed.fp8_quantize import E4M3, quantize
+from picotron.speed.fused_linear import stacked
 
 
 def cast_weight(w, rowwise: bool, in_group, out_group, transposed: bool):
@@ -65,24 +71,47 @@ class WeightCasts:
             self.t = cast_weight_t(w, *self.args)
         return self.t
 
+    def copy_(self, fresh):
+        """Take `fresh`'s values into these tensors (the ones a captured graph reads)."""
+        for mine, new in zip((self.w_q, self.w_s, *(self.t or ())),
+                             (fresh.w_q, fresh.w_s, *(fresh.t or ()))):
+            mine.copy_(new)
+
 
 class Fp8WeightCache:
     """The FP8 copies of one module's (possibly fused: q/k/v, gate/up) weight, recast when a
-    weight's version changes (module docstring). `casts` counts the recasts."""
+    weight's version changes (module docstring). `casts` counts the recasts; `in_place`: recast
+    into the same tensors (CUDA graphs), set by cuda_graphs.capture_layers."""
 
     def __init__(self):
-        self.key, self.entry, self.casts = None, None, 0
+        self.key, self.entry, self.casts, self.in_place = None, None, 0, False
+        self.source = None                  # (weights, rowwise, in_group, out_group): refresh
 
     def get(self, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
         """WeightCasts of w, the (O, C_in) matrix of `weights` (the parameters themselves,
         whose versions key the cache); `transposed`: backward will need W^T."""
         key = (rowwise, *(p._version for p in weights))
+        self.source = weights, rowwise, in_group, out_group
         if key != self.key or (transposed and self.entry.t is None):
-            self.key, self.entry = None, None               # the old copies go first
-            self.entry = WeightCasts(w, rowwise, in_group, out_group, transposed)
+            if self.in_place and self.entry is not None:
+                fresh = WeightCasts(w, rowwise, in_group, out_group,
+                                    transposed or self.entry.t is not None)
+                if self.entry.t is None:              # W^T asked for the first time
+                    self.entry.t = fresh.t
+                self.entry.copy_(fresh)
+            else:
+                self.key, self.entry = None, None           # the old copies go first
+                self.entry = WeightCasts(w, rowwise, in_group, out_group, transposed)
             self.key = key
             self.casts += 1
         return self.entry
+
+    def refresh(self):
+        """Recast now if a weight changed since the last use (before a graph replays it)."""
+        if self.source is not None:
+            weights, rowwise, in_group, out_group = self.source
+            w = weights[0] if len(weights) == 1 else stacked(weights)
+            self.get(weights, w, rowwise, in_group, out_group, transposed=False)
 
 
 def weight_casts(cache, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
