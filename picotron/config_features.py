@@ -9,7 +9,7 @@ import dataclasses
 FP8 = ("auto", "none", "tensorwise", "rowwise", "rowwise_bf16_dw")      # training.fp8
 # training.fp8="auto" picks tensorwise from this hidden size up. Measured on one H200
 # (bench/NOTES.md): SmolLM-1.7B (hidden 2048) 1.35x HF + Liger in FP8 against 1.02x in bf16,
-# the Llama-3-8B shape 1.38x; but SmolLM-360M (960) only broke even and 135M (576) ran at
+# the Llama-3-8B shape 1.38x; but eager, SmolLM-360M (960) only broke even and 135M (576) ran at
 # 0.62x of bf16: their GEMMs are too small to cover the host's time to launch the casts.
 FP8_AUTO_MIN_HIDDEN = 2048
 # ... and from this one up when the layers replay as CUDA graphs, which take the host's

@@ -4,10 +4,11 @@ CUDA graph and replayed every micro-batch.
 Why: a step is hundreds of kernels, and the host's time to launch them (Python, autograd, the
 allocator) can leave the GPU idle between them. A replayed graph launches the whole layer
 stack's forward as one call and its backward as another. The kernels are the same as eager,
-so the numbers are too (tests/test_cuda_graphs_gpu.py: bit for bit). Measured on an H200
-(bench/NOTES.md): no faster at SmolLM-360M or 1.7B, where the GPU already runs
-ahead of the host inside the layers, but 2-4% less peak memory (the graph's pool holds one
-step's activations without the allocator's fragmentation).
+so the numbers are too (tests/test_cuda_graphs_gpu.py: bit for bit). In bf16 the GPU
+already runs ahead of the host inside the layers, so graphs gain no speed there, only peak
+memory (the graph's pool holds one step's activations without the allocator's
+fragmentation); FP8 adds a cast or two before each GEMM, more launches than the host keeps
+up with at small widths, and there the graphs pay (measured: see bench/NOTES.md).
 
 What a graph needs, and how each is met here:
 - the same shapes every call: captured for (micro_batch_size, seq_length / cp_size); any
