@@ -9,7 +9,8 @@ validation in eval mode every 3 steps (the eager layers run there, and training 
 the graph after), through train.py's own main. Compared: every step's loss and gradient norm,
 the validation losses and the final weights. Our Triton kernels (model.kernels=triton) and the
 readable ones, in fp32 and bf16; our kernels with "selective" recomputation; fp16 with loss
-scaling; FP8 GEMMs (tensorwise and rowwise); and dp=2 over NCCL with ZeRO stages
+scaling; FP8 GEMMs (tensorwise and rowwise); the PaLM-style block; a run resumed under
+graphs; and dp=2 over NCCL with ZeRO stages
 0 and 2, where the gradient hooks (bucket all-reduce or reduce-scatter) fire after the
 backward graph. (measured: see bench/NOTES.md)
 """
@@ -29,9 +30,10 @@ import train  # noqa: E402
 
 
 def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none", fp8="auto",
-              extra=()):
+              extra=(), model="debug"):
     path = create_config.main([
-        "--out_dir", str(tmp_path), "--exp_name", name, "--mbs", "4", "--seq_len", "128",
+        "--out_dir", str(tmp_path), "--exp_name", name, "--model_name", model,
+        "--mbs", "4", "--seq_len", "128",
         "--dp", str(dp), "--zero_stage", str(zero),
         "--grad_acc_steps", "2", "--total_train_steps", "6", "--use_fused_adam",
         "--set", f"model.kernels={kernels}", "--set", f"training.dtype={dtype}",
@@ -52,10 +54,10 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def compare(tmp_path, kernels, dtype, dp=1, zero=0, ckpt="none", fp8="auto"):
+def compare(tmp_path, kernels, dtype, dp=1, zero=0, ckpt="none", fp8="auto", model="debug"):
     (eager, eager_w), (graphed, graphed_w) = (
-        train_run(tmp_path, f"{kernels}_{dtype}_{dp}_{zero}_{ckpt}_{fp8}_{g}", kernels, dtype, g,
-                  dp, zero, ckpt, fp8)
+        train_run(tmp_path, f"{model}_{kernels}_{dtype}_{dp}_{zero}_{ckpt}_{fp8}_{g}", kernels,
+                  dtype, g, dp, zero, ckpt, fp8, model=model)
         for g in (False, True))
     steps = [r for r in eager if "loss" in r]
     assert len(steps) == 6 and len([r for r in eager if "val_loss" in r]) == 2
@@ -97,6 +99,15 @@ def test_graphed_fp8_layers(tmp_path, kernels, ckpt, fp8):
     optimizer (or validation's eager forward after it) changed them; the activations' casts
     and scales inside the graphs."""
     compare(tmp_path, kernels, "bfloat16", ckpt=ckpt, fp8=fp8)
+
+
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_graphed_palm_layers(tmp_path, fp8):
+    """The PaLM-style block (one shared LayerNorm, attention and MLP in parallel, multi-query,
+    tied embeddings: the debug-palm preset), which training.cuda_graphs="auto" captures too."""
+    if fp8 != "none" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    compare(tmp_path, "triton", "bfloat16", ckpt="selective", fp8=fp8, model="debug-palm")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
