@@ -17,7 +17,10 @@ def build_with_speed(model_kwargs, kernels="torch", checkpointing="none", layers
                     training=TrainingConfig(activation_checkpointing=checkpointing,
                                             activation_checkpointing_layers=layers,
                                             fused_loss=fused_loss,
-                                            loss_chunk_tokens=chunk_tokens),
+                                            loss_chunk_tokens=chunk_tokens,
+                                            # these options only: at 360M's widths "auto"
+                                            # would add FP8 (it counts on graphs on a GPU)
+                                            cuda_graphs=False, fp8="none"),
                     distributed=DistributedConfig(use_cpu=device == "cpu"))
     with torch.device("meta"):
         model = Decoder(config.model, sdpa_attention)
