@@ -54,7 +54,8 @@ def capture_layers(model, config, device):
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype
     stack = LayerStack(model)
-    fp8_caches = [m.fp8_cache for m in stack.modules() if getattr(m, "fp8_cache", None)]
+    fp8_caches = [m.fp8_cache for m in stack.modules()
+                  if getattr(m, "fp8_cache", None) is not None]
     for cache in fp8_caches:        # before the warm-ups, which cast what the graphs will read
         cache.in_place = True
     x = torch.randn(B, T, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
