@@ -8,10 +8,10 @@ synthetic tokens (the same windows for every run), it times:
   options of each row ("ours auto": no option set, what a run gets on a GPU; "ours
   defaults": what "auto" picks for the kernels, loss and recomputation, with the layers
   eager (no CUDA graphs) and in bf16 (no FP8); "ours plain": the readable reference;
-  "ours triton": model.kernels=triton, our kernels and fused projections; "ours liger": liger's kernels;
-  both with liger's fused linear cross-entropy and the one-pass Triton AdamW; "our-loss":
-  training.fused_loss=triton, ours, which never waits for the GPU; "graphs":
-  training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
+  "ours triton": model.kernels=triton, our kernels and fused projections; "ours liger":
+  liger's kernels; both with liger's fused linear cross-entropy and the one-pass Triton
+  AdamW; "our-loss": training.fused_loss=triton, ours, which never waits for the GPU;
+  "graphs": training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
   which with our kernels recomputes the SwiGLU output; a label ending in " chunk1024" sets
   training.loss_chunk_tokens, one in " cat" concatenates the fused projections' weights each
   step instead of using them in place; "<row> fp8 tensorwise" runs that row with FP8 GEMMs,
