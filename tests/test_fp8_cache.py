@@ -9,8 +9,8 @@ tests/conftest.py sets it only on machines without a GPU).
   with our fused one (Triton's interpreter on CPU) recast once per step, and train like the
   run that casts at every use;
 - "rowwise_bf16_dw": y and dx bitwise rowwise's, dW the plain product dy^T x;
-- under CUDA graphs (`in_place` caches), `refresh` recasts a changed weight into the same
-  tensors, with the values a fresh cast gives, also W^T after a forward without gradients;
+- under CUDA graphs (`in_place` caches), `recast` and `refresh` write a changed weight into
+  the same tensors, with the values a fresh cast gives, also W^T after a forward without gradients;
 - no cache under ZeRO-3.
 """
 import pytest
@@ -163,10 +163,11 @@ def test_rowwise_bf16_dw_is_rowwise_with_an_exact_weight_gradient():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_in_place_caches_refresh_into_the_same_tensors(recipe):
-    """What a captured graph needs (speed/cuda_graphs.py): after an in-place weight update,
-    `refresh` (on the host, before a replay) recasts into the very tensors the capture read,
-    with the bits a new cache would cast; then the forward hits. A forward without gradients
-    after an update (validation) recasts W^T too, which the next backward reads."""
+    """What a captured graph needs (speed/cuda_graphs.py): after an in-place weight update the
+    caches are `stale`, and `refresh` (or `recast` and `mark_fresh` called directly) writes
+    into the very tensors the capture read, with the bits a new cache would cast; then the
+    forward hits. A forward without gradients after an update (validation) recasts W^T too,
+    which the next backward reads."""
     from picotron.speed.fp8_weights import Fp8WeightCache
     model, loss_fn = build(recipe, "torch", "none")
     found = caches(model)
@@ -186,20 +187,26 @@ def test_in_place_caches_refresh_into_the_same_tensors(recipe):
             assert all(torch.equal(a.float(), b.float())
                        for a, b in zip(tensors(cache.entry), tensors(fresh)))
     pointers = {n: [t.data_ptr() for t in tensors(c.entry)] for n, c in found.items()}
-    for update in ("refresh", "no_grad forward"):
+    for update in ("refresh", "no_grad forward", "recast"):
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.5)
+            assert all(cache.stale() for cache in found.values())
             if update == "refresh":
                 for cache in found.values():
                     cache.refresh()
+            elif update == "recast":         # refresh's two halves, called directly
+                for cache in found.values():
+                    cache.recast()
+                    cache.mark_fresh()
             else:
                 model(ids[:, :-1])
+        assert not any(cache.stale() for cache in found.values())
         check_fresh()
         assert {n: [t.data_ptr() for t in tensors(c.entry)] for n, c in found.items()} \
             == pointers
     counts = {n: c.casts for n, c in found.items()}
-    assert set(counts.values()) == {3}, counts
+    assert set(counts.values()) == {4}, counts
     loss_fn(model(ids[:, :-1]), ids[:, 1:]).backward()          # hits: nothing changed
     assert {n: c.casts for n, c in found.items()} == counts
 

@@ -22,7 +22,8 @@ What a graph needs, and how each is met here:
   fine: its reductions run from gradient hooks, after the backward graph (no overlap).
 - training.fp8: its weight caches (fp8_weights.py) decide on the host when a weight changed,
   which a replay would skip; so they recast in place, into the tensors the graphs read, and
-  `refresh` runs that check before each replay. Activations' scales stay on the GPU.
+  `refresh` runs that check (and the recast, after an optimizer step) on the host before
+  each replay. Activations' scales stay on the GPU.
 Memory: the graph's private pool keeps one step's activations and the layers' bf16 weight
 gradients (its outputs) between steps, instead of handing them back to the allocator.
 """
@@ -64,6 +65,8 @@ def capture_layers(model, config, device):
     # Runs 3 warm-up forwards and backwards (Triton compiles, cuBLAS picks its kernels), then
     # captures; torch.autograd.grad is used throughout, so no parameter's .grad is touched.
     graphed = torch.cuda.make_graphed_callables(stack, (x, cos, sin, position_ids))
+    # the caches the layers used (with our kernels the fused blocks', not their linears')
+    fp8_caches = [cache for cache in fp8_caches if cache.entry is not None]
     eager, keys = model.run_layers, stack.keys
 
     def run_layers(run_keys, x, cos, sin, position_ids):
@@ -75,3 +78,4 @@ def capture_layers(model, config, device):
         return eager(run_keys, x, cos, sin, position_ids)
     model.run_layers = run_layers
     return model
+

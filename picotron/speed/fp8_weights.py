@@ -85,33 +85,48 @@ class Fp8WeightCache:
 
     def __init__(self):
         self.key, self.entry, self.casts, self.in_place = None, None, 0, False
-        self.source = None                  # (weights, rowwise, in_group, out_group): refresh
+        self.source = None                  # (weights, rowwise, in_group, out_group): recast
 
     def get(self, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
         """WeightCasts of w, the (O, C_in) matrix of `weights` (the parameters themselves,
         whose versions key the cache); `transposed`: backward will need W^T."""
-        key = (rowwise, *(p._version for p in weights))
         self.source = weights, rowwise, in_group, out_group
-        if key != self.key or (transposed and self.entry.t is None):
+        if self.stale() or (transposed and self.entry.t is None):
             if self.in_place and self.entry is not None:
-                fresh = WeightCasts(w, rowwise, in_group, out_group,
-                                    transposed or self.entry.t is not None)
-                if self.entry.t is None:              # W^T asked for the first time
-                    self.entry.t = fresh.t
-                self.entry.copy_(fresh)
+                if transposed and self.entry.t is None:     # W^T asked for the first time
+                    self.entry.t = cast_weight_t(w, rowwise, in_group, out_group)
+                if self.stale():
+                    self.recast()
             else:
                 self.key, self.entry = None, None           # the old copies go first
                 self.entry = WeightCasts(w, rowwise, in_group, out_group, transposed)
-            self.key = key
-            self.casts += 1
+            self.mark_fresh()
         return self.entry
 
+    def stale(self) -> bool:
+        """Whether a weight changed since the copies were cast (or none were yet)."""
+        weights, rowwise = self.source[:2]
+        return self.key != (rowwise, *(p._version for p in weights))
+
+    def mark_fresh(self):
+        """The copies now hold the weights' current values."""
+        weights, rowwise = self.source[:2]
+        self.key = (rowwise, *(p._version for p in weights))
+        self.casts += 1
+
+    def recast(self):
+        """Cast the weights again into the tensors the entry holds (in place: the ones a
+        captured graph reads), whether they changed or not."""
+        weights, rowwise, in_group, out_group = self.source
+        w = weights[0] if len(weights) == 1 else stacked(weights)
+        self.entry.copy_(WeightCasts(w, rowwise, in_group, out_group,
+                                     transposed=self.entry.t is not None))
+
     def refresh(self):
-        """Recast now if a weight changed since the last use (before a graph replays it)."""
-        if self.source is not None:
-            weights, rowwise, in_group, out_group = self.source
-            w = weights[0] if len(weights) == 1 else stacked(weights)
-            self.get(weights, w, rowwise, in_group, out_group, transposed=False)
+        """Recast in place now if a weight changed since the last use."""
+        if self.source is not None and self.stale():
+            self.recast()
+            self.mark_fresh()
 
 
 def weight_casts(cache, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
