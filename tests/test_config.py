@@ -199,10 +199,11 @@ def test_auto_resolves_to_the_fast_path_on_gpus_and_the_reference_on_cpu():
             kept.training.activation_checkpointing) == ("auto", "auto", "auto")
 
 
-def test_cuda_graphs_auto_captures_one_gpu_runs_of_small_models():
+def test_cuda_graphs_auto_captures_one_gpu_runs_of_small_models(monkeypatch):
     """training.cuda_graphs="auto": on for one GPU below hidden_size 2048 when a graph can
-    hold the layers; off under any parallel axis, for wider models, on CPU, and where the
-    config rules graphs out (then no refusal: "auto" never refuses). Explicit values stay;
+    hold the layers; off under any parallel axis, for wider models, on CPU, where the config
+    rules graphs out (then no refusal: "auto" never refuses), and with kernels no GPU test
+    has captured (liger's, flash-attn). Explicit values stay;
     anything but true, false and "auto" is refused by name."""
     def graphs(**sections):
         return config_from_dict(sections).training.cuda_graphs
@@ -218,9 +219,15 @@ def test_cuda_graphs_auto_captures_one_gpu_runs_of_small_models():
     assert graphs(model={"kernels": "torch"}, training={"activation_checkpointing":
                                                         "selective"}) is False
     assert graphs(distributed={"zero_stage": 3}) is False
+    assert graphs(model={"kernels": "liger"}) is False      # not captured by the GPU tests
+    assert graphs(model={"attn_implementation": "flash_attention_2"}) is False
+    assert graphs(model={"attn_implementation": "sdpa"}) is True
     assert graphs(model=wide, training={"cuda_graphs": True}) is True
     assert graphs(training={"cuda_graphs": False}) is False
     assert config_from_dict({}, resolve=False).training.cuda_graphs == "auto"
+    from picotron import config_features           # "auto" attention takes flash-attn there
+    monkeypatch.setattr(config_features, "flash_attn_installed", lambda: True)
+    assert graphs() is False and graphs(model={"attn_implementation": "sdpa"}) is True
     with pytest.raises(ConfigError, match=r"training.cuda_graphs='on' must be true, false or "
                                           r"'auto'"):
         config_from_dict({"training": {"cuda_graphs": "on"}})
