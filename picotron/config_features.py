@@ -52,10 +52,10 @@ def cuda_graphs_auto_choice(config) -> bool:
     """What training.cuda_graphs="auto" resolves to on a GPU run: true on one GPU (under data
     parallelism the graphs would delay the gradient reductions until after backward) for
     hidden_size < GRAPHS_AUTO_MAX_HIDDEN, when the rest of the config lets a graph hold the
-    layers (cuda_graph_problems, not ZeRO-3) with kernels the GPU tests have captured: our
-    Triton kernels or torch's, and SDPA or the eager attention (liger's kernels and
-    flash-attn have not run under graphs here; asked for by name, graphs still take them);
-    else false."""
+    layers (cuda_graph_problems, not ZeRO-3) with kernels the GPU tests have captured (our
+    Triton kernels or torch's, SDPA) or plain torch ops (the eager attention); liger's
+    kernels and flash-attn have not run under graphs here (asked for by name, graphs still
+    take them); else false."""
     d, t, m = config.distributed, config.training, config.model
     one_gpu = d.dp_size * d.tp_size * d.pp_size * d.cp_size == 1
     if not one_gpu or m.hidden_size >= GRAPHS_AUTO_MAX_HIDDEN or d.zero_stage == 3:
