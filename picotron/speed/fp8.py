@@ -71,8 +71,7 @@ from typing import NamedTuple
 import torch
 
 from picotron.speed.fp8_quantize import E4M3, E5M2, quantize
-from picotron.speed.fp8_weights import weight_casts
-from picotron.speed.fused_linear import stacked
+from picotron.speed.fp8_weights import one_matrix, weight_casts
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_bf16_dw")
 
@@ -102,12 +101,6 @@ def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None):
     y = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype,
                          out=None if out is None else out.view(-1, b.shape[0]))
     return y if out is None else out
-
-
-def _one_matrix(weights):
-    """The weights as one (O, C_in) matrix: a single one as it is (no buffer-sharing test for
-    the compiler to trace), several stacked as fused_linear does."""
-    return weights[0] if len(weights) == 1 else stacked(weights)
 
 
 # The activations' casts, each along its GEMM's K (module docstring); the weights' are in
@@ -159,7 +152,7 @@ class Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, recipe, in_group, out_group, cache, grad_cast, *weights):
-        w = _one_matrix(weights)                                    # (O, C_in)
+        w = one_matrix(weights)                                    # (O, C_in)
         x2 = x.reshape(-1, x.shape[-1])                             # (N, C_in)
         need_dw = any(ctx.needs_input_grad[6:])
         (x_q, x_s), xt = cast_input(x2, recipe, in_group,
@@ -190,7 +183,7 @@ class Fp8Linear(torch.autograd.Function):
         dy_c = dy_c if cast is None else cast
         dx = dw = None
         if need_dx:
-            wt_q, wt_s = ctx.casts.transposed(_one_matrix(weights) if weights else None)
+            wt_q, wt_s = ctx.casts.transposed(one_matrix(weights) if weights else None)
             dx = scaled_mm(*dy_c, wt_q, wt_s, ctx.x_dtype, ctx.x_shape)        # (..., C_in)
         if need_dw:
             x2 = None if x is None else x.reshape(-1, x.shape[-1])

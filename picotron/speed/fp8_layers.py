@@ -69,8 +69,7 @@ def check_fp8_device(config):
     refused here, in one line, not in the middle of the first step. A recipe "auto" chose is
     not probed again: train.py's settle_auto_fp8 has (and it only chooses on sm89+)."""
     recipe = config.training.fp8
-    if recipe == "none" or config.distributed.use_cpu \
-            or getattr(config, "auto_resolved", {}).get("training.fp8") == recipe:
+    if recipe == "none" or config.distributed.use_cpu or _chosen_by_auto(config):
         return
     major, minor = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
@@ -90,7 +89,7 @@ def settle_auto_fp8(config):
     cannot run, train in bf16 instead of failing a run the user never asked FP8 of: set
     "none" (the run's first line then says so) and return the line to print; else None."""
     recipe = config.training.fp8
-    if recipe == "none" or getattr(config, "auto_resolved", {}).get("training.fp8") != recipe:
+    if recipe == "none" or not _chosen_by_auto(config):
         return None                                   # bf16, or a recipe asked for by name
     error = fp8_gemm_error(recipe)
     if error is None:
@@ -99,6 +98,11 @@ def settle_auto_fp8(config):
     return (f"training.fp8=auto: {torch.cuda.get_device_name()} with torch "
             f"{torch.__version__} cannot run '{recipe}' FP8 GEMMs ({error}); training in bf16. "
             f"Set training.fp8='none' to skip this check")
+
+
+def _chosen_by_auto(config) -> bool:
+    """Whether training.fp8 holds what "auto" resolved to (config.resolve_auto's record)."""
+    return getattr(config, "auto_resolved", {}).get("training.fp8") == config.training.fp8
 
 
 def fp8_gemm_error(recipe: str):

@@ -36,6 +36,12 @@ from picotron.speed.fp8_quantize import E4M3, quantize
 from picotron.speed.fused_linear import stacked
 
 
+def one_matrix(weights):
+    """The weights as one (O, C_in) matrix: a single one as it is (no buffer-sharing test for
+    the compiler to trace), several stacked as fused_linear does."""
+    return weights[0] if len(weights) == 1 else stacked(weights)
+
+
 def cast_weight(w, rowwise: bool, in_group, out_group, transposed: bool):
     """(W_q, W_s, (W^T_q, W^T_s) or None) for W (O, C_in). Rowwise: W's rows along C_in
     (sharded by in_group), W^T's along O (out_group). Tensorwise: one scale over every
@@ -103,23 +109,24 @@ class Fp8WeightCache:
             self.mark_fresh()
         return self.entry
 
+    def _current_key(self):
+        weights, rowwise = self.source[:2]
+        return (rowwise, *(p._version for p in weights))
+
     def stale(self) -> bool:
         """Whether a weight changed since the copies were cast (or none were yet)."""
-        weights, rowwise = self.source[:2]
-        return self.key != (rowwise, *(p._version for p in weights))
+        return self.key != self._current_key()
 
     def mark_fresh(self):
         """The copies now hold the weights' current values."""
-        weights, rowwise = self.source[:2]
-        self.key = (rowwise, *(p._version for p in weights))
+        self.key = self._current_key()
         self.casts += 1
 
     def recast(self):
         """Cast the weights again into the tensors the entry holds (in place: the ones a
         captured graph reads), whether they changed or not."""
         weights, rowwise, in_group, out_group = self.source
-        w = weights[0] if len(weights) == 1 else stacked(weights)
-        self.entry.copy_(WeightCasts(w, rowwise, in_group, out_group,
+        self.entry.copy_(WeightCasts(one_matrix(weights), rowwise, in_group, out_group,
                                      transposed=self.entry.t is not None))
 
     def refresh(self):
