@@ -6,7 +6,8 @@ module, this one imports nothing of the package.
 """
 import dataclasses
 
-FP8 = ("auto", "none", "tensorwise", "rowwise", "rowwise_bf16_dw")      # training.fp8
+FP8 = ("auto", "none", "tensorwise", "tensorwise_delayed", "rowwise",
+       "rowwise_bf16_dw")                                               # training.fp8
 # training.fp8="auto" picks tensorwise from this hidden size up. Measured on one H200
 # (bench/NOTES.md): SmolLM-1.7B (hidden 2048) 1.35x HF + Liger in FP8 against 1.02x in bf16,
 # the Llama-3-8B shape 1.38x; but eager, SmolLM-360M (960) only broke even and 135M (576) ran at
@@ -99,7 +100,21 @@ def fp8_problems(config) -> list:
         problems.append(f"training.fp8 needs the projections' sizes on each rank to be "
                         f"multiples of 16 (FP8 GEMMs), but {', '.join(odd)}; change them or "
                         f"set training.fp8='none'")
-    return problems
+    return problems + delayed_fp8_problems(d, t)
+
+
+def delayed_fp8_problems(d, t) -> list:
+    """"tensorwise_delayed" (speed/fp8_delayed.py) rolls its amaxes when a projection's
+    weight changes version, which ZeRO-3's per-layer gathers do at every forward; and its
+    amax records are host-side state that a compiled layer would bake in."""
+    if t.fp8 != "tensorwise_delayed":
+        return []
+    blockers = [name for name, on in (("distributed.zero_stage=3", d.zero_stage == 3),
+                                      ("training.compile=true", t.compile)) if on]
+    if not blockers:
+        return []
+    return [f"training.fp8='tensorwise_delayed' does not run with {' or '.join(blockers)} "
+            f"yet; use training.fp8='tensorwise' there"]
 
 
 def fp8_tensor_cores() -> bool:

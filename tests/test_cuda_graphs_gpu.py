@@ -93,11 +93,14 @@ def test_graphed_layers_with_fp16_loss_scaling(tmp_path):
                     reason="needs FP8 tensor cores")
 @pytest.mark.parametrize("kernels,ckpt,fp8", [("triton", "selective", "tensorwise"),
                                               ("triton", "selective", "rowwise"),
-                                              ("torch", "none", "tensorwise")])
+                                              ("torch", "none", "tensorwise"),
+                                              ("triton", "selective", "tensorwise_delayed"),
+                                              ("torch", "none", "tensorwise_delayed")])
 def test_graphed_fp8_layers(tmp_path, kernels, ckpt, fp8):
     """training.fp8: the weights' FP8 copies recast in place before a replay when the
     optimizer (or validation's eager forward after it) changed them; the activations' casts
-    and scales inside the graphs."""
+    and scales inside the graphs. "tensorwise_delayed": the calibrating first step eager, the
+    capture at step 2, the amaxes rolled in place between replays."""
     compare(tmp_path, kernels, "bfloat16", ckpt=ckpt, fp8=fp8)
 
 

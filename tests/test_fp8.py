@@ -114,7 +114,7 @@ def assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe):
     results = []
     for fn in (lambda g, w: fp8_linear(swiglu_packed(g * 1), [w], recipe),
                lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe_of(recipe), None, None, None,
-                                                   w)):
+                                                   None, w)):
         g, ws = gu.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(g, ws)           # g * 1: a fresh intermediate, overwritten in place as in the MLP
         y.backward(dy)
@@ -233,7 +233,7 @@ def test_fp8_trains_like_the_reference_on_cpu(tmp_path):
     path = write_config(tmp_path, "fp8", ["--mbs", "4", "--seq_len", "64",
                                           "--total_train_steps", "40"])
     finals = {}
-    for recipe in ("none", "tensorwise", "rowwise", "rowwise_bf16_dw"):
+    for recipe in ("none", "tensorwise", "tensorwise_delayed", "rowwise", "rowwise_bf16_dw"):
         config, pgm, device = train.setup(path)
         config.training.fp8 = recipe
         model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
@@ -243,7 +243,7 @@ def test_fp8_trains_like_the_reference_on_cpu(tmp_path):
                                    device).read()["loss"] for i in range(40)]
         assert losses[-1] < losses[0] - 1.0, f"{recipe} did not train: {losses}"
         finals[recipe] = sum(losses[-10:])
-    for recipe in ("tensorwise", "rowwise", "rowwise_bf16_dw"):
+    for recipe in ("tensorwise", "tensorwise_delayed", "rowwise", "rowwise_bf16_dw"):
         gap = abs(finals[recipe] - finals["none"]) / finals["none"]
         assert gap < 0.01, f"{recipe}: {gap:.3%} from the reference"
 

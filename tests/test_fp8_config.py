@@ -29,8 +29,8 @@ def refusal(**training):
 
 def test_config_refusals():
     assert "distributed.use_cpu is true; set training.fp8='none'" in refusal(use_cpu=True)
-    assert "one of ('auto', 'none', 'tensorwise', 'rowwise', 'rowwise_bf16_dw')" in refusal(
-        fp8="e4m3")
+    assert "one of ('auto', 'none', 'tensorwise', 'tensorwise_delayed', 'rowwise', " \
+        "'rowwise_bf16_dw')" in refusal(fp8="e4m3")
     assert "set training.dtype='bfloat16'" in refusal(dtype="float16")
     message = refusal(seq_length=100, micro_batch_size=1)
     assert "multiples of 16" in message and "(tokens)=100" in message

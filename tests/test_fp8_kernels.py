@@ -103,6 +103,48 @@ def test_kernels_equal_the_reference(monkeypatch, dtype):
             assert_same(got, want, what + " (amax, then cast)")
 
 
+def test_the_cast_records_the_amax_of_what_it_casts(monkeypatch):
+    """Delayed scaling's cast (fp8_delayed.py): a given amax (here half the tensor's, so
+    values saturate) and the tensor's own amax recorded as the cast runs: q, q^T and the
+    scale bitwise the reference's for that amax, the record bitwise reference_amax."""
+    monkeypatch.setattr(fp8_quantize, "use_kernels", lambda x: True)
+    for (n, k, pad), fmt in [(c, f) for c in [(70, 200, 0), (33, 300, 8)] for f in FP8]:
+        x = operand(n, k, torch.bfloat16, pad)
+        amax = reference_amax(x, "tensor")
+        for rows, transposed in [(True, True), (True, False), (False, True)]:
+            record = torch.full((), 7, dtype=torch.int32, device=DEVICE)   # below any amax
+            got = quantize(x, fmt, "tensor", rows=rows, transposed=transposed, amax=amax / 2,
+                           record=record)
+            assert_same(got, reference(x, fmt, "tensor", amax / 2, rows, transposed),
+                        f"{n}x{k} {fmt} q={rows} q^T={transposed}")
+            assert torch.equal(record.view(torch.float32), amax)
+
+
+def test_delayed_fp8_linear_through_the_kernels(monkeypatch):
+    """"tensorwise_delayed" over three steps (calibrating, then the last step's amaxes): the
+    kernels give bitwise the reference's outputs, gradients and recorded amaxes."""
+    from picotron.speed.fp8_delayed import AmaxLedger
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(2, 24, 64, device=DEVICE, dtype=dtype)
+    w = (0.05 * torch.randn(48, 64, device=DEVICE)).to(dtype)
+    dy = torch.randn(2, 24, 48, device=DEVICE, dtype=dtype)
+    results = []
+    for kernels in (False, True):
+        monkeypatch.setattr(fp8_quantize, "use_kernels", lambda t, k=kernels: k)
+        ledger = AmaxLedger()
+        sites, got = (ledger.site("x"), ledger.site("dy")), []
+        for scale in (1.0, 0.5, 3.0):
+            xs, ws = (x * scale).requires_grad_(), w.clone().requires_grad_()
+            y = fp8_linear(xs, [ws], "tensorwise_delayed", sites=sites)
+            y.backward(dy * scale)
+            got += [y.detach(), xs.grad, ws.grad, ledger.seen.clone()]
+            ledger.roll()
+        results.append(got)
+    for i, (ref, got) in enumerate(zip(*results)):
+        assert torch.equal(got, ref), f"step {i // 4 + 1}: {('y', 'dx', 'dW', 'amaxes')[i % 4]}"
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
 def test_fp8_linear_through_the_kernels(monkeypatch, recipe):
     """The FP8 linear (fused weights, TP-free) with its casts in our kernels gives bitwise the

@@ -129,13 +129,17 @@ def train_one_step(recipe, norm_type="rmsnorm"):
     model, loss_fn = apply_speed(Decoder(config.model).to(torch.bfloat16), causal_lm_loss,
                                  config)
     ids = torch.randint(0, 64, (2, 16))
-    logits = model(ids[:, :-1])
-    logits.float().logsumexp(-1).mean().backward()
+    for step in range(2 if recipe == "tensorwise_delayed" else 1):
+        if step:            # the delayed casts, after the calibrating step
+            model.fp8_ledger.roll()
+        logits = model(ids[:, :-1])
+        logits.float().logsumexp(-1).mean().backward()
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     monkeypatch.setattr(fp8_quantize, "use_kernels", lambda t: True)   # as on a GPU
-    for recipe in ("none", "tensorwise", "rowwise"):        # rowwise_bf16_dw: rowwise's
+    for recipe in ("none", "tensorwise", "tensorwise_delayed", "rowwise"):  # rowwise_bf16_dw:
+        # rowwise's kernels
         train_one_step(recipe)
     train_one_step("none", norm_type="layernorm")
     hidden = torch.randn(24, 64, dtype=torch.bfloat16, requires_grad=True)

@@ -23,7 +23,9 @@ What a graph needs, and how each is met here:
 - training.fp8: its weight caches (fp8_weights.py) decide on the host when a weight changed,
   which a replay would skip; so they recast in place, into the tensors the graphs read, and
   `refresh` runs that check (and the recast, after an optimizer step) on the host before
-  each replay. Activations' scales stay on the GPU.
+  each replay. Activations' scales stay on the GPU. Under "tensorwise_delayed" the first
+  step calibrates the scales with casts that delayed steps do not run, so it runs eager, and
+  the capture happens at the first forward after it.
 Memory: the graph's private pool keeps one step's activations and the layers' bf16 weight
 gradients (its outputs) between steps, instead of handing them back to the allocator.
 """
@@ -50,7 +52,8 @@ class LayerStack(nn.Module):
 def capture_layers(model, config, device):
     """Capture `model`'s layers (all of them: pp is 1) for one micro-batch, and route the
     model's training forwards through the graphs by replacing `run_layers` on the instance.
-    Call after GradBuckets(model, ...)."""
+    Call after GradBuckets(model, ...). Under training.fp8="tensorwise_delayed" the capture
+    waits for the end of the calibrating first step (fp8_delayed.py), which runs eager."""
     t, m = config.training, config.model
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype
@@ -59,23 +62,39 @@ def capture_layers(model, config, device):
                   if getattr(m, "fp8_cache", None) is not None]
     for cache in fp8_caches:        # before the warm-ups, which cast what the graphs will read
         cache.in_place = True
-    x = torch.randn(B, T, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
-    position_ids = torch.arange(T, device=device).expand(B, T).contiguous()
-    cos, sin = rope_cos_sin(position_ids, model.head_dim, m.rope_theta, dtype)
-    # Runs 3 warm-up forwards and backwards (Triton compiles, cuBLAS picks its kernels), then
-    # captures; torch.autograd.grad is used throughout, so no parameter's .grad is touched.
-    graphed = torch.cuda.make_graphed_callables(stack, (x, cos, sin, position_ids))
-    # the caches the layers used (with our kernels the fused blocks', not their linears')
-    fp8_caches = [cache for cache in fp8_caches if cache.entry is not None]
+    ledger = getattr(model, "fp8_ledger", None)
+    graphs = {}
+
+    def capture():
+        x = torch.randn(B, T, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        position_ids = torch.arange(T, device=device).expand(B, T).contiguous()
+        cos, sin = rope_cos_sin(position_ids, model.head_dim, m.rope_theta, dtype)
+        # the warm-ups below cast random inputs: their amaxes must not reach the next scales
+        seen = None if ledger is None else ledger.seen.clone()
+        # Runs 3 warm-up forwards and backwards (Triton compiles, cuBLAS picks its kernels),
+        # then captures; torch.autograd.grad is used throughout, so no parameter's .grad is
+        # touched.
+        graphs["stack"] = torch.cuda.make_graphed_callables(stack, (x, cos, sin, position_ids))
+        if seen is not None:
+            ledger.seen.copy_(seen)
+        # the caches the layers used (with our kernels the fused blocks', not their linears')
+        graphs["caches"] = [cache for cache in fp8_caches if cache.entry is not None]
+
+    if ledger is None:
+        capture()
     eager, keys = model.run_layers, stack.keys
 
     def run_layers(run_keys, x, cos, sin, position_ids):
         if (list(run_keys) == keys and tuple(x.shape) == (B, T, m.hidden_size)
                 and model.training and torch.is_grad_enabled()):
-            for cache in fp8_caches:           # the weights' FP8 copies, recast if stale
+            if not graphs:
+                if ledger.calibrating:
+                    return eager(run_keys, x, cos, sin, position_ids)
+                torch.cuda.empty_cache()       # the eager step's blocks, before the pool
+                capture()
+            for cache in graphs["caches"]:     # the weights' FP8 copies, recast if stale
                 cache.refresh()
-            return graphed(x, cos, sin, position_ids)
+            return graphs["stack"](x, cos, sin, position_ids)
         return eager(run_keys, x, cos, sin, position_ids)
     model.run_layers = run_layers
     return model
-

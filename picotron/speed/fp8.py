@@ -20,6 +20,9 @@ Three recipes (`training.fp8`):
   learning"). Each cast writes both layouts a GEMM needs in one pass: forward's x_q and its
   transpose for dW (kept for backward in FP8: half the bytes of bf16); dy_q and dy_q^T;
   W_q and W^T_q.
+- "tensorwise_delayed": tensorwise with each activation's and gradient's scale taken from
+  the previous optimizer step's amax at that operand (fp8_delayed.py), so that a cast needs
+  no amax pass before it: it takes the tensor's amax for the next step while it casts.
 - "rowwise": one scale per row of each operand, along K, so an outlier token or channel costs
   only its own row precision. Everything in e4m3, dy too: each row of dy has its own scale, so
   range is no longer the limit, and precision is (torchao's rowwise recipe makes the same
@@ -70,24 +73,28 @@ from typing import NamedTuple
 
 import torch
 
-from picotron.speed.fp8_quantize import E4M3, E5M2, quantize
+from picotron.speed.fp8_delayed import for_this_call
+from picotron.speed.fp8_quantize import E4M3, E5M2, amax_of, quantize
 from picotron.speed.fp8_weights import one_matrix, weight_casts
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_bf16_dw")
+RECIPES = ("tensorwise", "tensorwise_delayed", "rowwise", "rowwise_bf16_dw")
 
 
 class Recipe(NamedTuple):
-    """What a recipe name means for the casts: per-row scales, and dW in bf16. A tuple of
-    constants, so that torch.compile takes it as one."""
+    """What a recipe name means for the casts: per-row scales, dW in bf16, and activation
+    scales from the previous step's amaxes (fp8_delayed.py). A tuple of constants, so that
+    torch.compile takes it as one."""
     name: str
     rowwise: bool
     bf16_dw: bool
+    delayed: bool = False
 
 
 def recipe_of(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"FP8 recipe '{name}' is not one of {RECIPES}")
-    return Recipe(name, name != "tensorwise", name == "rowwise_bf16_dw")
+    return Recipe(name, name.startswith("rowwise"), name == "rowwise_bf16_dw",
+                  name == "tensorwise_delayed")
 
 
 def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None):
@@ -105,12 +112,28 @@ def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None):
 
 # The activations' casts, each along its GEMM's K (module docstring); the weights' are in
 # fp8_weights.py. `in_group` / `out_group`: the TP group sharding C_in / O, or None.
+# `site`: the operand's fp8_delayed.Site under "tensorwise_delayed", else None.
 
-def cast_input(x2, recipe: Recipe, in_group, transposed: bool = True):
+def tensor_amax(t, site, group, amax=None):
+    """(amax to scale t by, where to record t's amax): under delayed scaling the site's
+    amax from the last step (calibrating: t's own, all-reduced over `group`, or the given
+    `amax`, which the kernel that wrote t took), else `amax` as given (None: quantize takes
+    t's own)."""
+    if site is None:
+        return amax, None
+    if site.calibrating:
+        return (amax_of(t, "tensor", group) if amax is None else amax), \
+            site.record_into(t.device)
+    return site.scale_amax(t.device), site.record_into(t.device)
+
+
+def cast_input(x2, recipe: Recipe, in_group, transposed: bool = True, site=None):
     """x (N, C_in) -> (x_q, x_s) for y = x W^T, and (x^T_q, its scale) for dW = dy^T x (None
     unless `transposed`). Rowwise: per token along C_in, and per feature along the tokens."""
     if not recipe.rowwise:
-        x_q, xt_q, x_s = quantize(x2, E4M3, "tensor", in_group, transposed=transposed)
+        amax, record = tensor_amax(x2, site, in_group)
+        x_q, xt_q, x_s = quantize(x2, E4M3, "tensor", in_group, transposed=transposed,
+                                  amax=amax, record=record)
         return (x_q, x_s), (xt_q, x_s) if transposed else None
     x_q, _, x_s = quantize(x2, E4M3, "row", in_group)
     if not transposed:
@@ -120,14 +143,15 @@ def cast_input(x2, recipe: Recipe, in_group, transposed: bool = True):
 
 
 def cast_grad(dy2, recipe: Recipe, out_group, for_dx: bool = True, for_dw: bool = True,
-              amax=None):
+              amax=None, site=None):
     """dy (N, O) -> (dy_q, dy_s) for dx, along O, and (dy^T_q, its scale) for dW, along the
     tokens (each None when not needed; dW's never under bf16_dw): e4m3 per row, or e5m2
     with one scale for both layouts (from `amax` when the kernel that wrote dy took it)."""
     for_dw = for_dw and not recipe.bf16_dw
     if not recipe.rowwise:
+        amax, record = tensor_amax(dy2, site, out_group, amax)
         dy_q, dyt_q, s = quantize(dy2, E5M2, "tensor", out_group, rows=for_dx,
-                                  transposed=for_dw, amax=amax)
+                                  transposed=for_dw, amax=amax, record=record)
         return (dy_q, s) if for_dx else None, (dyt_q, s) if for_dw else None
     dy = quantize(dy2, E4M3, "row", out_group)[::2] if for_dx else None
     dyt = quantize(dy2, E4M3, "column", rows=False, transposed=True)[1:] if for_dw else None
@@ -148,15 +172,17 @@ class Fp8Linear(torch.autograd.Function):
     slices of one dW. Backward keeps x^T in FP8 (C_in, N) and its scale (x itself under
     bf16_dw), and the weights' FP8 copies (from `cache`, a Fp8WeightCache, if given).
     `grad_cast`: a fp8_fused.GradCastHandoff through which the kernel that writes dy may hand
-    over dy's rowwise cast (then not cast again here) or its tensor amax, or None."""
+    over dy's rowwise cast (then not cast again here) or its tensor amax, or None. `sites`:
+    (x's, dy's) fp8_delayed.Site under "tensorwise_delayed", else None."""
 
     @staticmethod
-    def forward(ctx, x, recipe, in_group, out_group, cache, grad_cast, *weights):
+    def forward(ctx, x, recipe, in_group, out_group, cache, grad_cast, sites, *weights):
         w = one_matrix(weights)                                    # (O, C_in)
         x2 = x.reshape(-1, x.shape[-1])                             # (N, C_in)
-        need_dw = any(ctx.needs_input_grad[6:])
+        need_dw = any(ctx.needs_input_grad[7:])
+        x_site, ctx.dy_site = sites or (None, None)
         (x_q, x_s), xt = cast_input(x2, recipe, in_group,
-                                    transposed=need_dw and not recipe.bf16_dw)
+                                    transposed=need_dw and not recipe.bf16_dw, site=x_site)
         casts = weight_casts(cache, weights, w, recipe.rowwise, in_group, out_group,
                              transposed=ctx.needs_input_grad[0])
         y = scaled_mm(x_q, x_s, casts.w_q, casts.w_s, x.dtype, (*x.shape[:-1], w.shape[0]))
@@ -172,14 +198,14 @@ class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xt_q, xt_s, x, *weights = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
         dy2 = dy.reshape(-1, dy.shape[-1])
         given = ctx.grad_cast.take(dy) if ctx.grad_cast is not None else None
         # handed over: rowwise dy's cast (q, scale), tensorwise dy's amax (amax,)
         cast = given if ctx.recipe.rowwise else None
         amax = given[0] if given is not None and not ctx.recipe.rowwise else None
         dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and cast is None,
-                              need_dw, amax)
+                              need_dw, amax, ctx.dy_site)
         dy_c = dy_c if cast is None else cast
         dx = dw = None
         if need_dx:
@@ -190,18 +216,19 @@ class Fp8Linear(torch.autograd.Function):
             dw = weight_grad(dy2, dyt, (xt_q, xt_s), x2, ctx.recipe, ctx.w_dtype)  # (O, C_in)
         ctx.casts = ctx.grad_cast = None
         dws = dw.split(ctx.out_sizes, dim=0) if dw is not None else [None] * len(ctx.out_sizes)
-        return (dx, None, None, None, None, None, *dws)
+        return (dx, None, None, None, None, None, None, *dws)
 
 
 def fp8_linear(x, weights, recipe: str, in_group=None, out_group=None, cache=None,
-               grad_cast=None):
+               grad_cast=None, sites=None):
     """x @ cat(weights)^T in FP8 under `recipe` (RECIPES). x (..., C_in), weights [(O_i, C_in)]
     -> (..., sum O_i) in x's dtype. `in_group` / `out_group`: the tensor-parallel group over
     which C_in / O is sharded, if it is (tensor_parallel/layers.py). `cache`: the module's
     Fp8WeightCache (the weights cast once per optimizer step), or None to cast them at this
     use; not used while torch.compile traces (its graph casts them). `grad_cast`: see
-    Fp8Linear (fp8_triton.py's MLP passes one to gate/up)."""
+    Fp8Linear (fp8_triton.py's MLP passes one to gate/up). `sites`: (x's, dy's)
+    fp8_delayed.Site, under "tensorwise_delayed" only."""
     if torch.compiler.is_compiling():
         cache = grad_cast = None
     return Fp8Linear.apply(x, recipe_of(recipe), in_group, out_group, cache, grad_cast,
-                           *weights)
+                           for_this_call(sites), *weights)

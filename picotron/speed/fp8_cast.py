@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from picotron.speed.triton_swiglu import _amax_into
+
 # The kernels' own copy of fp8_quantize's tables (which imports this module, on GPUs only;
 # tests/test_fp8_kernels.py checks the two agree): SCALING codes, and per format its largest
 # finite value, mantissa bits and the exponent of its smallest normal.
@@ -138,14 +140,16 @@ def _amax(x_ptr, out_ptr, N, K, stride, PER_COLUMN: tl.constexpr,
 
 
 @triton.jit
-def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.constexpr,
-          WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, EXACT_ROUND: tl.constexpr,
-          FP8_MAX: tl.constexpr,
+def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, seen_ptr, N, K, stride,
+          SCALING: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+          RECORD: tl.constexpr, EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr,
           MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_K) tile: scale from the given amax (one, per row or per column),
     q = fp8(x / scale) stored as (N, K) rows (WRITE_Q) and/or as (K, N) rows of q^T
-    (WRITE_QT). The scales are stored by the first program along the other axis."""
+    (WRITE_QT). The scales are stored by the first program along the other axis. RECORD:
+    the tile's largest |x| atomically maxed into seen_ptr's int32 bits (delayed scaling's
+    amax for the next step, fp8_delayed.py)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -168,6 +172,8 @@ def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride, SCALING: tl.const
         v = x.to(tl.float32) * inv[None, :]
         if pid_m == 0:
             tl.store(s_ptr + cols, scale, mask=col_ok)
+    if RECORD:                       # masked elements are 0
+        _amax_into(seen_ptr, x.to(tl.float32))
     q = _fp8_values(v, EXACT_ROUND, FP8_MAX, MANTISSA, MIN_EXP)
     if WRITE_Q:
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
@@ -234,16 +240,18 @@ def amax(x, scaling: int):
     return bits.view(torch.float32)
 
 
-def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool = False):
+def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool = False,
+         record=None):
     """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
-    returns it; all-reduced already where another rank holds part of what it spans)."""
+    returns it; all-reduced already where another rank holds part of what it spans).
+    `record`: an int32 scalar that receives max |x|'s fp32 bits (atomic max), or None."""
     x = _unit_columns(x)
     if x.is_cuda and x.dtype == torch.float32 and rows and transposed:
         # Measured on an H200 (Triton 3.6): from an fp32 x, the kernel that writes both q and
         # q^T stores q^T wrong (rows of one repeated byte), whatever the tile; each alone is
         # right. FP8 training casts bf16 (fp32 comes from the tests' fp32 models), so the
         # second pass costs no real run anything.
-        q, _, scale = cast(x, amax_, fp8_dtype, scaling, rows=True)
+        q, _, scale = cast(x, amax_, fp8_dtype, scaling, rows=True, record=record)
         return q, cast(x, amax_, fp8_dtype, scaling, rows=False, transposed=True)[1], scale
     (N, K), (bm, bk, warps) = x.shape, _tile("cast", x)
     q = torch.empty((N, K), dtype=fp8_dtype, device=x.device) if rows else None
@@ -251,8 +259,10 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
     scale = torch.empty_like(amax_)
     fp8_max, mantissa, min_exp = FORMATS[fp8_dtype]
     _cast[(triton.cdiv(N, bm), triton.cdiv(K, bk))](
-        x, amax_, x if q is None else q, x if qt is None else qt, scale, N, K, x.stride(0),
-        SCALING=scaling, WRITE_Q=rows, WRITE_QT=transposed, EXACT_ROUND=not x.is_cuda,
+        x, amax_, x if q is None else q, x if qt is None else qt, scale,
+        amax_ if record is None else record, N, K, x.stride(0), SCALING=scaling,
+        WRITE_Q=rows, WRITE_QT=transposed, RECORD=record is not None,
+        EXACT_ROUND=not x.is_cuda,
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=warps)
     return q, qt, scale

@@ -30,31 +30,34 @@ import torch.nn as nn
 
 from picotron.errors import ConfigError
 from picotron.speed.fp8 import fp8_linear
+from picotron.speed.fp8_delayed import AmaxLedger
 from picotron.speed.fp8_weights import Fp8WeightCache
 from picotron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class Fp8Linear(nn.Linear):
-    fp8_recipe, fp8_cache = "tensorwise", None       # set per module by apply_fp8
+    # set per module by apply_fp8; fp8_sites: (x's, dy's) fp8_delayed.Site, or None
+    fp8_recipe, fp8_cache, fp8_sites = "tensorwise", None, None
 
     def forward(self, x):
-        return fp8_linear(x, [self.weight], self.fp8_recipe, cache=self.fp8_cache)  # (..., O)
+        return fp8_linear(x, [self.weight], self.fp8_recipe, cache=self.fp8_cache,
+                          sites=self.fp8_sites)                                 # (..., O)
 
 
 class Fp8ColumnParallelLinear(ColumnParallelLinear):
-    fp8_recipe, fp8_group, fp8_cache = "tensorwise", None, None      # set by apply_fp8
+    fp8_recipe, fp8_group, fp8_cache, fp8_sites = "tensorwise", None, None, None
 
     def forward(self, x):
         return fp8_linear(x, [self.weight], self.fp8_recipe, out_group=self.fp8_group,
-                          cache=self.fp8_cache)
+                          cache=self.fp8_cache, sites=self.fp8_sites)
 
 
 class Fp8RowParallelLinear(RowParallelLinear):
-    fp8_recipe, fp8_cache = "tensorwise", None
+    fp8_recipe, fp8_cache, fp8_sites = "tensorwise", None, None
 
     def forward(self, x):
         partial = fp8_linear(x, [self.weight], self.fp8_recipe, in_group=self.tp_group,
-                             cache=self.fp8_cache)
+                             cache=self.fp8_cache, sites=self.fp8_sites)
         return self.reduce(partial)                  # g on the (B, T, O) partial product
 
 
@@ -126,32 +129,48 @@ def fp8_branch_classes(kernels: str) -> dict:
     return FP8_CLASSES
 
 
-def apply_fp8(model, config, tp_group=None):
+def apply_fp8(model, config, tp_group=None, dp_group=None):
     """Swap, in place, the projections of every decoder layer this rank holds for their FP8
     subclasses (`training.fp8`; nothing when "none"). `tp_group`: the tensor-parallel group the
-    sharded projections' scales are all-reduced over."""
+    sharded projections' scales are all-reduced over; under "tensorwise_delayed" the amaxes
+    are also all-reduced over `dp_group` (the data x context group) between steps, and the
+    model gets `fp8_ledger`, their fp8_delayed.AmaxLedger."""
     recipe = config.training.fp8
     if recipe == "none":
         return model
     check_fp8_device(config)
     branches = fp8_branch_classes(config.model.kernels)
-    for layer in model.layers.values():
-        for branch in (layer.self_attn, layer.mlp):
+    ledger = AmaxLedger([tp_group, dp_group]) if recipe == "tensorwise_delayed" else None
+    for key, layer in model.layers.items():
+        for branch_name, branch in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+            name = f"layers.{key}.{branch_name}"
             fast = branches.get(type(branch))
             if fast is not None:
                 branch.__class__ = fast
                 branch.fp8_recipe, branch.fp8_group = recipe, _sharded_group(branch, tp_group)
                 branch.fp8_cache = _cache(config)            # its fused q/k/v or gate/up
-            for projection in branch.children():
+                branch.fp8_sites = _sites(ledger, name)
+            for child, projection in branch.named_children():
                 fp8 = FP8_LINEARS.get(type(projection))
                 if fp8 is None:
                     continue
                 assert getattr(projection, "bias", None) is None, "FP8 linears have no bias"
                 projection.__class__ = fp8
                 projection.fp8_recipe, projection.fp8_cache = recipe, _cache(config)
+                projection.fp8_sites = _sites(ledger, f"{name}.{child}")
                 if fp8 is Fp8ColumnParallelLinear:
                     projection.fp8_group = tp_group
+    if ledger is not None and ledger.names:
+        model.fp8_ledger = ledger
+        ledger.watch(model, next(m for m in model.modules()
+                                 if getattr(m, "fp8_sites", None) and hasattr(m, "weight")))
     return model
+
+
+def _sites(ledger, name):
+    """(x's, dy's) delayed-scaling sites of the projection (or fused block) `name`, or None
+    when the recipe is not delayed."""
+    return None if ledger is None else (ledger.site(f"{name}.x"), ledger.site(f"{name}.dy"))
 
 
 def _cache(config):

@@ -45,19 +45,30 @@ def _check(scaling, rows, transposed):
 
 
 def quantize(x, fp8_dtype, scaling: str, group=None, rows: bool = True,
-             transposed: bool = False, amax=None):
+             transposed: bool = False, amax=None, record=None):
     """(q, q^T, scale) of x (N, K) under `scaling` (module docstring); q or q^T is None when
     not asked for. `group`: the TP group over which the amax must be all-reduced, or None.
-    `amax`: one computed before (`amax_of`), to cast x again with the same scale."""
+    `amax`: one computed before (`amax_of`), to cast x again with the same scale, or the
+    delayed scale's (fp8_delayed.py). `record` (tensor scaling): an int32 scalar that also
+    receives max |x| (this rank's, as fp32 bits, by atomic max), or None."""
     _check(scaling, rows, transposed)
+    assert record is None or scaling == "tensor", "amaxes are recorded per tensor"
     if not use_kernels(x):
         amax = amax_of(x, scaling, group) if amax is None else amax
+        if record is not None:
+            record_amax(record, reference_amax(x, "tensor"))
         return reference(x, fp8_dtype, scaling, amax, rows, transposed)
     if amax is None and scaling == "row" and _alone(group):
         q, scale = _kernels().quantize_rows(x, fp8_dtype)       # amax and cast: one kernel
         return q, None, scale
     amax = amax_of(x, scaling, group) if amax is None else amax
-    return _kernels().cast(x, amax, fp8_dtype, SCALINGS[scaling], rows, transposed)
+    return _kernels().cast(x, amax, fp8_dtype, SCALINGS[scaling], rows, transposed, record)
+
+
+def record_amax(bits, amax):
+    """bits (int32 scalar) = max(bits, amax's fp32 bits): the kernels' atomic max, in torch
+    (for non-negative floats, and a NaN, the int32 order is the float order)."""
+    torch.maximum(bits, amax.abs().float().view(torch.int32), out=bits)
 
 
 def _alone(group) -> bool:

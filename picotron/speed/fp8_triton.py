@@ -24,7 +24,8 @@ from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, r
                                 scaled_mm, weight_grad)
 from picotron.speed.fp8_fused import (GradCastHandoff, fusable, swiglu_backward_cast,
                                       swiglu_cast)
-from picotron.speed.fp8_quantize import amax_of
+from picotron.speed.fp8_delayed import for_this_call
+from picotron.speed.fp8_quantize import amax_of, record_amax
 from picotron.speed.fp8_weights import weight_casts
 from picotron.speed.triton_layers import TritonAttention, TritonMLP
 from picotron.speed.triton_swiglu import (_may_overwrite, _rows, _swiglu_backward,
@@ -52,16 +53,22 @@ class Fp8SwiGLULinear(torch.autograd.Function):
     """y = swiglu(gu) @ W^T in FP8: gu (..., 2I) -> (..., O), W (O, I); under tensor
     parallelism I is this rank's share (row-parallel, `in_group`) and y a partial sum.
     `cache`: the down projection's Fp8WeightCache, or None. `handoff`: a GradCastHandoff to
-    put d(gu)'s cast (or amax) in for gate/up's linear, or None (fp8_fused.py)."""
+    put d(gu)'s cast (or amax) in for gate/up's linear, or None (fp8_fused.py). `sites`: (h's,
+    dy's) fp8_delayed.Site under "tensorwise_delayed", else None."""
 
     @staticmethod
-    def forward(ctx, gu, recipe, in_group, cache, handoff, weight):
+    def forward(ctx, gu, recipe, in_group, cache, handoff, sites, weight):
         ctx.inplace, ctx.handoff = _may_overwrite(gu), handoff
-        if fusable(in_group, gu):        # cast by (or from the amax of) the SwiGLU kernel
+        h_site, ctx.dy_site = sites or (None, None)
+        if h_site is not None and not h_site.calibrating:      # last step's scale
+            h_q, h_s, h_amax = swiglu_delayed(_rows(gu), h_site, in_group)
+        elif fusable(in_group, gu):      # cast by (or from the amax of) the SwiGLU kernel
             h_q, h_s, h_amax = swiglu_cast(_rows(gu), recipe)
         else:
             h = _swiglu_forward(_rows(gu))              # (N, I), freed when forward returns
             h_q, h_s, h_amax = _cast_h(h, recipe, in_group)
+        if h_site is not None and h_site.calibrating:
+            _record(h_site, h_amax)
         casts = weight_casts(cache, [weight], weight, recipe.rowwise, in_group, None,
                              transposed=ctx.needs_input_grad[0])
         ctx.recipe, ctx.casts, ctx.w_dtype = recipe, casts, weight.dtype
@@ -74,8 +81,8 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         gu, h_amax, weight = ctx.saved_tensors
         recipe, gu2 = ctx.recipe, _rows(gu)                             # (N, 2I)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[5]
-        dy_c, dyt = cast_grad(dy2, recipe, None, need_dgu, need_dw)
+        need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
+        dy_c, dyt = cast_grad(dy2, recipe, None, need_dgu, need_dw, site=ctx.dy_site)
         dgu = dw = None
         if need_dgu:
             wt_q, wt_s = ctx.casts.transposed(weight)
@@ -95,34 +102,53 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         if need_dw:                                     # h^T (I, N): along the tokens
             ht = None if recipe.bf16_dw else _cast_ht(h, recipe, h_amax)
             dw = weight_grad(dy2, dyt, ht, h, recipe, ctx.w_dtype)        # (O, I)
-        ctx.casts = ctx.handoff = None
-        return dgu, None, None, None, None, dw
+        ctx.casts = ctx.handoff = ctx.dy_site = None
+        return dgu, None, None, None, None, None, dw
+
+
+def _record(site, amax):
+    """Calibrating: max the amax a current-scaled cast took into the site's record."""
+    record = site.record_into(amax.device)
+    if record is not None:
+        record_amax(record, amax)
+
+
+def swiglu_delayed(gu2, site, in_group):
+    """gu2 (N, 2I) -> (h_q, h_s, the amax h_s came from) with the site's delayed scale,
+    h's own amax recorded for the next step."""
+    h = _swiglu_forward(gu2)
+    amax = site.scale_amax(gu2.device)
+    h_q, _, h_s = quantize(h, E4M3, "tensor", in_group, amax=amax,
+                           record=site.record_into(gu2.device))
+    return h_q, h_s, amax
 
 
 def fp8_swiglu_mlp(x, weights, down_weight, recipe: Recipe, group=None, down_group=None,
-                   cache=None, down_cache=None):
+                   cache=None, down_cache=None, sites=None, down_sites=None):
     """swiglu(x @ cat(weights)^T) @ down_weight^T in FP8 as "selective" runs it: the gate/up
     linear, then Fp8SwiGLULinear. x (..., C) -> (..., O), a partial sum under TP (the caller
     reduces). `group` / `down_group`: the TP groups sharding gate/up's O and down's C_in;
-    `cache` / `down_cache`: their Fp8WeightCaches. Where fp8_fused applies, the SwiGLU
-    backward hands d(gu)'s cast (or amax) to the gate/up linear through a GradCastHandoff."""
+    `cache` / `down_cache`: their Fp8WeightCaches; `sites` / `down_sites`: their delayed
+    scaling sites, or None. Where fp8_fused applies, the SwiGLU backward hands d(gu)'s cast
+    (or amax) to the gate/up linear through a GradCastHandoff."""
     handoff = GradCastHandoff() if fusable(group, x) else None
     gu = fp8_linear(x, weights, recipe.name, out_group=group, cache=cache,
-                    grad_cast=handoff)                                          # (..., 2I)
-    return Fp8SwiGLULinear.apply(gu, recipe, down_group, down_cache, handoff, down_weight)
+                    grad_cast=handoff, sites=sites)                             # (..., 2I)
+    return Fp8SwiGLULinear.apply(gu, recipe, down_group, down_cache, handoff,
+                                 for_this_call(down_sites), down_weight)
 
 
 class Fp8TritonAttention(TritonAttention):
     fp8_recipe, fp8_group = "tensorwise", None       # set per module by fp8_layers.apply_fp8
-    fp8_cache = None                                 # its Fp8WeightCache, set there too
+    fp8_cache, fp8_sites = None, None                # its Fp8WeightCache and delayed sites
 
     def project(self, x, weights):
         return fp8_linear(x, weights, self.fp8_recipe, out_group=self.fp8_group,
-                          cache=self.fp8_cache)
+                          cache=self.fp8_cache, sites=self.fp8_sites)
 
 
 class Fp8TritonMLP(TritonMLP):
-    fp8_recipe, fp8_group, fp8_cache = "tensorwise", None, None
+    fp8_recipe, fp8_group, fp8_cache, fp8_sites = "tensorwise", None, None, None
     project = Fp8TritonAttention.project
 
     def forward(self, x):
@@ -132,7 +158,8 @@ class Fp8TritonMLP(TritonMLP):
             return self.down_proj(swiglu_packed(gu))     # an Fp8 linear: (B, T, C)
         y = fp8_swiglu_mlp(x, weights, self.down_proj.weight, recipe_of(self.fp8_recipe),
                            self.fp8_group, getattr(self.down_proj, "tp_group", None),
-                           self.fp8_cache, _down_cache(self.down_proj))
+                           self.fp8_cache, _down_cache(self.down_proj), self.fp8_sites,
+                           self.down_proj.fp8_sites)
         reduce = getattr(self.down_proj, "reduce", None)     # row-parallel: g over TP
         return y if reduce is None else reduce(y)
 

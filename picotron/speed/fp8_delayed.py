@@ -1,0 +1,123 @@
+"""`training.fp8="tensorwise_delayed"`: tensorwise FP8 whose activation scales come from the
+previous optimizer step's amaxes, so that no cast waits for a pass over its own tensor.
+
+Tensorwise ("current") scaling reads every activation twice before its GEMM: once for the amax,
+once to cast it with the scale that amax gives. Delayed scaling casts with a scale known
+before the tensor exists and takes the tensor's amax during that same cast, for the next step:
+
+    step t, every cast at site s:   q = fp8(x * fp8_max / A_s)     A_s  fixed for the step
+                                    seen_s = max(seen_s, amax(x))  taken while casting
+    between steps t and t+1:        A_s = max of seen_s over every rank holding part of the
+                                    operand or other micro-batches of the step; seen_s = 0
+
+A site is one operand of one projection: its input x, its output gradient dy, and, in the
+recomputing SwiGLU + down projection (fp8_triton.py), h. A value above A_s saturates at the
+format's max instead of setting the scale (torch's and Transformer Engine's delayed recipes
+accept the same); bench/fp8_convergence.py is the check that training does not notice.
+The weights keep their exact per-step scales (fp8_weights.py): they are cast once a step.
+
+The first step has no amaxes yet. It calibrates: every cast takes its own amax first, as
+"tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too. So a
+resumed run calibrates again at its first step; its other steps are the uninterrupted run's.
+
+Layouts: the roll all-reduces `seen` (MAX) over the tensor-parallel group (an operand whose
+features are sharded) and the data x context group (the step's other micro-batches), so every
+layout computes the scales one process computes over the same global batch, and gradient
+accumulation in one process equals data parallelism. The roll is one all-reduce per group of
+a few bytes per site, once a step.
+
+When the roll runs: before the model's first forward after the weights changed, which an
+optimizer step (and a checkpoint load) does: the same signal the weight caches use
+(fp8_weights.py), read from one projection weight in a forward pre-hook on the model.
+Casts record only under autograd (validation's forwards do not move training's scales), and
+a site that saw only zeros keeps its last amax.
+
+CUDA graphs: the calibrating step runs eager and the capture waits for the first step after
+it (cuda_graphs.py), so the graphs hold only the delayed casts; the amaxes live in two flat
+buffers the graphs read and write in place.
+"""
+import torch
+import torch.distributed as dist
+
+
+class Site:
+    """One operand's place in its ledger: `scale_amax` the A_s its casts use this step,
+    `seen` the int32 bits of the largest |value| cast there since the last roll. `records`:
+    False for a forward without autograd (`for_this_call`)."""
+
+    def __init__(self, ledger, index: int, name: str, records: bool = True):
+        self.ledger, self.index, self.name, self.records = ledger, index, name, records
+
+    @property
+    def calibrating(self) -> bool:
+        return self.ledger.calibrating
+
+    def scale_amax(self, device):
+        return self.ledger.buffers(device)[0][self.index]                       # () fp32
+
+    def record_into(self, device):
+        """Where a cast maxes its amax in (int32 bits), or None where it must not record."""
+        return self.ledger.buffers(device)[1][self.index] if self.records else None
+
+
+def for_this_call(sites):
+    """`sites` as an FP8 op called now should use them: read-only under no_grad (checked
+    here, by the caller of the autograd function, inside which grad mode is always off)."""
+    if sites is None or torch.is_grad_enabled():
+        return sites
+    return tuple(Site(s.ledger, s.index, s.name, records=False) for s in sites)
+
+
+class AmaxLedger:
+    """Every delayed site of a model (this rank's layers): their amaxes in two flat buffers,
+    and the roll between steps (module docstring)."""
+
+    def __init__(self, groups=()):
+        self.names, self.groups = [], [g for g in groups if g is not None]
+        self.scale_amax = self.seen = None
+        self.calibrating = True
+        self.watched, self.version = None, None
+
+    def site(self, name: str) -> Site:
+        assert self.scale_amax is None, "sites are added before the first cast"
+        self.names.append(name)
+        return Site(self, len(self.names) - 1, name)
+
+    def buffers(self, device):
+        """(scale_amax (S,) fp32, seen (S,) int32), made on the first cast's device."""
+        if self.scale_amax is None:
+            self.scale_amax = torch.zeros(len(self.names), dtype=torch.float32, device=device)
+            self.seen = torch.zeros(len(self.names), dtype=torch.int32, device=device)
+        return self.scale_amax, self.seen
+
+    def watch(self, model, projection):
+        """Roll before the first forward of `model` after `projection`'s weight changed
+        (module docstring). The module, not the tensor: the gradient buckets move the weight
+        into a flat buffer after this."""
+        self.watched = projection
+        model.register_forward_pre_hook(lambda module, args: self.before_forward())
+
+    def before_forward(self):
+        version = self.watched.weight._version
+        if self.version is not None and version != self.version:
+            self.roll()
+        self.version = version
+
+    def roll(self):
+        """A_s = the global max of what site s saw this step; seen = 0; calibration over."""
+        if self.seen is None:
+            return                                          # nothing was cast yet
+        seen = self.seen.view(torch.float32)
+        for group in self.groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+        # != 0, not > 0: a NaN amax stays, so a run that went NaN shows it
+        self.scale_amax.copy_(torch.where(seen != 0, seen, self.scale_amax))
+        self.seen.zero_()
+        self.calibrating = False
+
+    def state(self) -> dict:
+        """{site name: A_s} as floats (what a report or a test reads)."""
+        if self.scale_amax is None:
+            return {}
+        return dict(zip(self.names, self.scale_amax.tolist()))

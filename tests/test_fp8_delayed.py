@@ -1,0 +1,119 @@
+"""training.fp8="tensorwise_delayed" (picotron/speed/fp8_delayed.py) on CPU: the first step is
+tensorwise's, later steps cast with the previous step's amaxes, and data parallelism rolls
+them to the scales one process computes with gradient accumulation. Its GPU kernels (the
+cast that records the amax) and CUDA graphs: tests/test_fp8_gpu.py, test_cuda_graphs_gpu.py."""
+import os
+
+import pytest
+import torch
+
+from launch import ROOT, launch_script, write_config
+from picotron.speed.fp8 import E4M3, E5M2, fp8_linear, scaled_mm
+from picotron.speed.fp8_delayed import AmaxLedger
+from picotron.speed.fp8_quantize import quantize
+
+W = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
+
+
+def fwd_bwd(x, dy, recipe, sites=None):
+    """(y, dx, dW) of one FP8 linear y = x W^T."""
+    x, w = x.clone().requires_grad_(), W.clone().requires_grad_()
+    y = fp8_linear(x, [w], recipe, sites=sites)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def with_amaxes(x, dy, amax_x, amax_dy):
+    """(y, dx) of the FP8 linear with x and dy cast by the given amaxes, W by its own."""
+    x2, dy2 = x.reshape(-1, 32), dy.reshape(-1, 48)
+    x_q, _, x_s = quantize(x2, E4M3, "tensor", amax=torch.tensor(amax_x))
+    dy_q, _, dy_s = quantize(dy2, E5M2, "tensor", amax=torch.tensor(amax_dy))
+    w_q, wt_q, w_s = quantize(W, E4M3, "tensor", transposed=True)
+    return (scaled_mm(x_q, x_s, w_q, w_s, torch.float32).view(*x.shape[:-1], 48),
+            scaled_mm(dy_q, dy_s, wt_q, w_s, torch.float32).view(x.shape))
+
+
+def test_first_step_calibrates_then_each_scale_is_the_last_steps_amax():
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 16, 32, generator=gen) * s for s in (1.0, 0.5, 3.0)]
+    dys = [torch.randn(4, 16, 48, generator=gen) * s for s in (1.0, 2.0, 1.0)]
+    ledger = AmaxLedger()
+    sites = (ledger.site("x"), ledger.site("dy"))
+    # step 1 calibrates: every cast takes its own amax, as "tensorwise" does
+    got, want = fwd_bwd(xs[0], dys[0], "tensorwise_delayed", sites), fwd_bwd(xs[0], dys[0],
+                                                                             "tensorwise")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ledger.roll()
+    amax = {"x": xs[0].abs().max().item(), "dy": dys[0].abs().max().item()}
+    assert ledger.state() == amax and not ledger.calibrating
+    # step 2: cast with step 1's amaxes, not its own (x is half as large, dy twice)
+    y, dx, _ = fwd_bwd(xs[1], dys[1], "tensorwise_delayed", sites)
+    y_ref, dx_ref = with_amaxes(xs[1], dys[1], amax["x"], amax["dy"])
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert not torch.equal(y, fwd_bwd(xs[1], dys[1], "tensorwise")[0])
+    ledger.roll()
+    amax = {"x": xs[1].abs().max().item(), "dy": dys[1].abs().max().item()}
+    assert ledger.state() == amax
+    # a forward without autograd (validation) records nothing; a cast that saw only zeros
+    # keeps the last amax; a value above the amax saturates at the format's max
+    with torch.no_grad():
+        fp8_linear(xs[2], [W], "tensorwise_delayed", sites=sites)
+    fwd_bwd(xs[2], torch.zeros_like(dys[2]), "tensorwise_delayed", sites)
+    ledger.roll()
+    assert ledger.state() == {"x": xs[2].abs().max().item(), "dy": amax["dy"]}
+    big = quantize(xs[2].reshape(-1, 32), E4M3, "tensor", amax=torch.tensor(amax["x"]))[0]
+    assert big.float().abs().max() == 448.0
+
+
+def test_delayed_is_refused_where_it_cannot_roll():
+    from picotron.config import Config
+    from picotron.config_features import fp8_problems
+    config = Config()
+    config.training.fp8 = "tensorwise_delayed"
+    config.distributed.zero_stage = 3
+    assert "zero_stage=3" in " ".join(fp8_problems(config))
+    config.distributed.zero_stage, config.training.compile = 1, True
+    assert "training.compile=true" in " ".join(fp8_problems(config))
+
+
+STEPS = 4
+RTOL = 1e-5     # fp32 summation order, as in every layout's parity
+
+
+def reference_run(path):
+    """One process, train.py's build and step, fp8 set after loading (as the worker does)."""
+    from workers.fp8_delayed_worker import run
+    return run(path, STEPS)
+
+
+def test_dp2_rolls_the_scales_one_process_computes(tmp_path):
+    """dp2 (one micro-batch a rank) against one process accumulating the same two
+    micro-batches: the same amaxes after every step, losses and final weights to fp32
+    summation order. The control, whose roll skips the data-parallel group, keeps each rank's
+    own micro-batch's amaxes and must differ."""
+    common = ["--mbs", "2", "--seq_len", "32", "--num_hidden_layers", "2",
+              "--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
+              "--set", "training.dtype=float32", "--set", "training.warmup_steps=0",
+              "--total_train_steps", str(STEPS)]
+    dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + common)
+    one = write_config(tmp_path, "one", ["--grad_acc_steps", "2"] + common)
+    out = str(tmp_path / "dp2.pt")
+    launch_script(os.path.join(ROOT, "tests", "workers", "fp8_delayed_worker.py"), 2,
+                  [dp2, out, STEPS])
+    runs = torch.load(out)
+    ref = reference_run(one)
+    assert len(ref["amaxes"][0]) >= 8                  # x and dy of each projection, 2 layers
+    for step, (got, want) in enumerate(zip(runs["delayed"]["amaxes"], ref["amaxes"])):
+        assert got.keys() == want.keys()
+        for site, a in want.items():
+            # dy is the gradient of a micro-batch's loss / grad_acc_steps: 1 at dp2, 2 in
+            # one process, so dp2's dy and its scale are both 2x (a power of two: the same
+            # FP8 values)
+            a = 2 * a if site.endswith(".dy") else a
+            assert got[site] == pytest.approx(a, rel=RTOL), (step, site)
+    assert runs["delayed"]["losses"] == pytest.approx(ref["losses"], rel=RTOL)
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(runs["delayed"]["weights"][name], w, rtol=RTOL, atol=RTOL)
+    control = runs["control"]["amaxes"][0]
+    assert any(abs(control[s] - a) > 1e-3 * a for s, a in ref["amaxes"][0].items()
+               if s.endswith(".x"))

@@ -1,0 +1,46 @@
+"""Worker for test_fp8_delayed.py: training.fp8="tensorwise_delayed" at dp2 on 2 gloo ranks.
+
+argv: the dp2 config, the output file, then STEPS. Trains the config twice through train.py's
+build and step: as the recipe is, and as a control whose amax roll skips the data-parallel
+group (each rank's scales from its own micro-batches only). FP8 is set after loading: the
+config refuses FP8 on CPU (no FP8 tensor cores), and the math is the GPU's. Rank 0 saves, per
+run, the losses, the delayed amaxes after each step, and the final weights."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import train  # noqa: E402
+from picotron.data import StepBatches, build_train_val  # noqa: E402
+
+
+def run(path, steps, roll_over_dp=True):
+    """{"losses", "amaxes" (one {site: A_s} per step), "weights"} of `steps` steps."""
+    config, pgm, device = train.setup(path)
+    config.training.fp8 = "tensorwise_delayed"
+    model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
+    ledger = model.fp8_ledger
+    if not roll_over_dp:
+        ledger.groups = [g for g in ledger.groups if g is not pgm.cp_dp_group]
+    batches = StepBatches(build_train_val(config, os.path.dirname(path))[0], config, pgm,
+                          device)
+    losses, amaxes = [], []
+    for step in range(steps):
+        values = train.queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
+                                  device)
+        losses.append(values.read()["loss"])
+        ledger.before_forward()         # the roll the next step's first forward would run
+        amaxes.append(ledger.state())
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "amaxes": amaxes, "weights": weights}
+
+
+def main(path, out, steps):
+    runs = {"delayed": run(path, steps), "control": run(path, steps, roll_over_dp=False)}
+    if torch.distributed.get_rank() == 0:
+        torch.save(runs, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
