@@ -180,3 +180,39 @@ def test_the_handoff_refuses_another_gradient():
     assert handoff.take(grad) is None
     handoff.put(grad, *cast)
     assert handoff.take(grad.clone()) is None
+    handoff.put(grad, cast, cast, whole=True)       # a gradient never written: no fallback
+    with pytest.raises(RuntimeError, match="did not reach the gate/up projection"):
+        handoff.take(grad.clone())
+
+
+def test_fp8_only_swiglu_is_the_unfused_delayed_path(monkeypatch):
+    """"tensorwise_delayed" (calibrating step 1, then steps with the last step's amaxes): with
+    the fusion, steps 2 and 3 run the SwiGLU kernels that write only FP8 (h_q forward;
+    d(gu)_q, d(gu)_q^T and h^T_q backward, fp8_delayed_swiglu.py). Output, every gradient and
+    the amaxes recorded for the next step: bitwise those of the separate casts."""
+    monkeypatch.setattr(fp8_quantize, "use_kernels", lambda t: True)
+    ran, results = [], []
+    for name in ("swiglu_fp8", "swiglu_backward_fp8"):
+        real = getattr(fp8_triton, name)
+        monkeypatch.setattr(fp8_triton, name,
+                            lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    g = torch.Generator().manual_seed(4)
+    inputs = [(s * torch.randn(2, 16, 64, generator=g), s * torch.randn(2, 16, 64, generator=g))
+              for s in (1.0, 0.5, 3.0)]
+    for fused in (False, True):
+        monkeypatch.setattr(fp8_fused, "FUSED", fused)
+        mlp = fp8_mlp("tensorwise_delayed", dtype=torch.bfloat16)
+        ledger, params = mlp.fp8_sites[0].ledger, list(mlp.parameters())
+        got = []
+        for x, dy in inputs:
+            xs = x.bfloat16().to(DEVICE).requires_grad_()
+            for p in params:
+                p.grad = None
+            y = mlp(xs)
+            y.backward(dy.bfloat16().to(DEVICE))
+            got += [y.detach(), xs.grad, *(p.grad for p in params), ledger.seen.clone()]
+            ledger.roll()
+        results.append(got)
+    assert ran == ["swiglu_fp8", "swiglu_backward_fp8"] * 2, ran
+    for i, (ref, got) in enumerate(zip(*results)):
+        assert torch.equal(got, ref), f"output {i}"

@@ -153,6 +153,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
         adamw_step(opt, {weights[0]: torch.randn(300)}, {weights[0]: shard} if master else {},
                    torch.tensor([1.0, 0.0]))
     names = {fn.__name__ for fn, *_ in launches}
-    assert {"_cast", "_amax", "_rowwise"} <= names and len(names) >= 12, sorted(names)
+    assert {"_cast", "_amax", "_rowwise", "_swiglu_fwd_fp8", "_swiglu_bwd_fp8"} <= names \
+        and len(names) >= 14, sorted(names)
     failures = compile_for_h200(launches)
     assert not failures, "\n".join(failures)

@@ -200,13 +200,18 @@ class Fp8Linear(torch.autograd.Function):
         xt_q, xt_s, x, *weights = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
         dy2 = dy.reshape(-1, dy.shape[-1])
+        whole = ctx.grad_cast is not None and ctx.grad_cast.whole
         given = ctx.grad_cast.take(dy) if ctx.grad_cast is not None else None
-        # handed over: rowwise dy's cast (q, scale), tensorwise dy's amax (amax,)
+        # handed over: rowwise dy's cast (q, scale), tensorwise dy's amax (amax,), or
+        # (whole) both tensorwise casts ((q, scale), (q^T, scale)) of a dy never written
         cast = given if ctx.recipe.rowwise else None
         amax = given[0] if given is not None and not ctx.recipe.rowwise else None
-        dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and cast is None,
-                              need_dw, amax, ctx.dy_site)
-        dy_c = dy_c if cast is None else cast
+        if whole:
+            dy_c, dyt = given
+        else:
+            dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and cast is None,
+                                  need_dw, amax, ctx.dy_site)
+            dy_c = dy_c if cast is None else cast
         dx = dw = None
         if need_dx:
             wt_q, wt_s = ctx.casts.transposed(one_matrix(weights) if weights else None)

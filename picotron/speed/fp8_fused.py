@@ -223,20 +223,26 @@ def swiglu_backward_rowwise(dh2, gu2, dgu2, store_h: bool, fp8_dtype=fp8_quantiz
 
 class GradCastHandoff:
     """A gradient's FP8 cast (rowwise: (q, scale)) or amax (tensorwise: (amax,)), from the
-    kernel that wrote the gradient to the linear whose GEMMs read it (module docstring). One
-    per MLP forward; `take` empties it."""
+    kernel that wrote the gradient to the linear whose GEMMs read it (module docstring), or,
+    `whole`, both of its tensorwise casts ((q, scale), (q^T, scale)) standing in for a
+    gradient that was never written (fp8_delayed_swiglu.py). One per MLP forward; `take`
+    empties it."""
 
     def __init__(self):
-        self.grad, self.version, self.cast = None, None, None
+        self.grad, self.version, self.cast, self.whole = None, None, None, False
 
-    def put(self, grad, *cast):
-        self.grad, self.version, self.cast = grad, grad._version, cast
+    def put(self, grad, *cast, whole: bool = False):
+        self.grad, self.version, self.cast, self.whole = grad, grad._version, cast, whole
 
     def take(self, dy):
-        """The cast tuple if dy is the gradient put here, unchanged since; else None."""
-        grad, version, cast = self.grad, self.version, self.cast
-        self.grad, self.version, self.cast = None, None, None
+        """The cast tuple if dy is the gradient put here, unchanged since; else None, or,
+        for a whole cast, an error: dy holds no values to cast instead."""
+        grad, version, cast, whole = self.grad, self.version, self.cast, self.whole
+        self.grad, self.version, self.cast, self.whole = None, None, None, False
         if cast is None or dy.data_ptr() != grad.data_ptr() or dy.shape != grad.shape \
                 or dy.stride() != grad.stride() or dy._version != version:
+            if whole:
+                raise RuntimeError("the SwiGLU's FP8 gradient casts did not reach the gate/up "
+                                   "projection: something between them changed the gradient")
             return None
         return cast

@@ -25,6 +25,7 @@ from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, r
 from picotron.speed.fp8_fused import (GradCastHandoff, fusable, swiglu_backward_cast,
                                       swiglu_cast)
 from picotron.speed.fp8_delayed import for_this_call
+from picotron.speed.fp8_delayed_swiglu import swiglu_backward_fp8, swiglu_fp8
 from picotron.speed.fp8_quantize import amax_of, record_amax
 from picotron.speed.fp8_weights import weight_casts
 from picotron.speed.triton_layers import TritonAttention, TritonMLP
@@ -54,13 +55,20 @@ class Fp8SwiGLULinear(torch.autograd.Function):
     parallelism I is this rank's share (row-parallel, `in_group`) and y a partial sum.
     `cache`: the down projection's Fp8WeightCache, or None. `handoff`: a GradCastHandoff to
     put d(gu)'s cast (or amax) in for gate/up's linear, or None (fp8_fused.py). `sites`: (h's,
-    dy's) fp8_delayed.Site under "tensorwise_delayed", else None."""
+    dy's, d(gu)'s) fp8_delayed.Site under "tensorwise_delayed", else None: once calibrated,
+    with fusable operands, the SwiGLU kernels write FP8 only (fp8_delayed_swiglu.py) and
+    d(gu)'s two casts go to gate/up's linear whole."""
 
     @staticmethod
     def forward(ctx, gu, recipe, in_group, cache, handoff, sites, weight):
         ctx.inplace, ctx.handoff = _may_overwrite(gu), handoff
-        h_site, ctx.dy_site = sites or (None, None)
-        if h_site is not None and not h_site.calibrating:      # last step's scale
+        h_site, ctx.dy_site, ctx.dgu_site = sites or (None, None, None)
+        delayed = h_site is not None and not h_site.calibrating          # last step's scale
+        ctx.fp8_only = delayed and handoff is not None and fusable(in_group, gu)
+        if ctx.fp8_only:
+            h_amax = h_site.scale_amax(gu.device)
+            h_q, h_s = swiglu_fp8(_rows(gu), h_amax, h_site.record_into(gu.device))
+        elif delayed:
             h_q, h_s, h_amax = swiglu_delayed(_rows(gu), h_site, in_group)
         elif fusable(in_group, gu):      # cast by (or from the amax of) the SwiGLU kernel
             h_q, h_s, h_amax = swiglu_cast(_rows(gu), recipe)
@@ -83,10 +91,18 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
         dy_c, dyt = cast_grad(dy2, recipe, None, need_dgu, need_dw, site=ctx.dy_site)
-        dgu = dw = None
+        dgu = dw = ht = None
         if need_dgu:
             wt_q, wt_s = ctx.casts.transposed(weight)
             dh2 = scaled_mm(*dy_c, wt_q, wt_s, gu.dtype)        # (N, I), fresh: h goes over it
+        if need_dgu and ctx.fp8_only:       # d(gu)'s casts and h^T's, no bf16 d(gu) or h
+            site, device = ctx.dgu_site, gu.device
+            dgu_c, dgut, ht = swiglu_backward_fp8(dh2, gu2, site.scale_amax(device),
+                                                  site.record_into(device), h_amax)
+            # stands for d(gu) in autograd (no bytes): gate/up's linear takes the casts
+            dgu, h = gu.new_zeros(()).expand(gu.shape), None
+            ctx.handoff.put(dgu, dgu_c, dgut, whole=True)
+        elif need_dgu:
             dgu2 = gu2 if ctx.inplace else torch.empty_like(gu2)
             if ctx.handoff is not None:                 # d(gu)'s cast (or amax) too
                 dgu_cast = swiglu_backward_cast(dh2, gu2, dgu2, recipe, store_h=True)
@@ -100,9 +116,10 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         else:
             h = _swiglu_forward(gu2)
         if need_dw:                                     # h^T (I, N): along the tokens
-            ht = None if recipe.bf16_dw else _cast_ht(h, recipe, h_amax)
+            if ht is None and not recipe.bf16_dw:
+                ht = _cast_ht(h, recipe, h_amax)
             dw = weight_grad(dy2, dyt, ht, h, recipe, ctx.w_dtype)        # (O, I)
-        ctx.casts = ctx.handoff = ctx.dy_site = None
+        ctx.casts = ctx.handoff = ctx.dy_site = ctx.dgu_site = None
         return dgu, None, None, None, None, None, dw
 
 
@@ -134,6 +151,7 @@ def fp8_swiglu_mlp(x, weights, down_weight, recipe: Recipe, group=None, down_gro
     handoff = GradCastHandoff() if fusable(group, x) else None
     gu = fp8_linear(x, weights, recipe.name, out_group=group, cache=cache,
                     grad_cast=handoff, sites=sites)                             # (..., 2I)
+    down_sites = None if down_sites is None else (*down_sites, sites[1])
     return Fp8SwiGLULinear.apply(gu, recipe, down_group, down_cache, handoff,
                                  for_this_call(down_sites), down_weight)
 
