@@ -9,7 +9,10 @@ output gradient):
 - tensor amax (`_amax`, one scale): reads x once;
 - tensorwise cast writing q and q^T (`_cast`): reads x, writes two FP8 copies;
 - rowwise amax + cast (`_rowwise`): reads x (twice, the second mostly from L2), writes q;
-- column amax (`_amax` per column): reads x once.
+- column amax (`_amax` per column): reads x once;
+- the same cast taking x's amax as it runs ("recording": delayed scaling's cast);
+- with K = I, fp8_delayed_swiglu's kernels ("swiglu"): forward reads gu (N, 2I) and writes
+  h_q, backward reads gu and dh and writes d(gu)_q, d(gu)_q^T and h^T_q.
 Bandwidth counts the bytes each kernel must move once; "of floor" is that traffic at the
 device's copy rate over the measured time. torch's own `x.abs().amax()` is printed beside the
 amax as a yardstick. Prints one table per kernel and width, best first.
@@ -27,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from norm_tiles import copy_rate  # noqa: E402  (the floor's yardstick)
 from picotron.speed import fp8_cast as fc  # noqa: E402
+from picotron.speed import fp8_delayed_swiglu as fds  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -55,9 +59,12 @@ def amax_rows(x, per_column: bool):
     return rows
 
 
-def cast_rows(x):
+def cast_rows(x, record: bool = False):
+    """(ms, tile) for every _cast tile; `record`: the amax taken as the cast runs (delayed
+    scaling, fp8_delayed.py)."""
     N, K = x.shape
     amax = x.abs().amax().float()
+    bits = torch.zeros((), dtype=torch.int32, device=x.device)
     q, qt = torch.empty((N, K), dtype=E4M3, device=x.device), torch.empty((K, N), dtype=E4M3,
                                                                         device=x.device)
     scale = torch.empty_like(amax)
@@ -65,9 +72,9 @@ def cast_rows(x):
     for bm, bk, warps in itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8)):
         def run():
             fc._cast[(triton.cdiv(N, bm), triton.cdiv(K, bk))](
-                x, amax, q, qt, scale, N, K, K, SCALING=fc.TENSOR, WRITE_Q=True,
-                WRITE_QT=True, EXACT_ROUND=False, FP8_MAX=448.0, MANTISSA=3, MIN_EXP=-6,
-                BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+                x, amax, q, qt, scale, bits, N, K, K, SCALING=fc.TENSOR, WRITE_Q=True,
+                WRITE_QT=True, RECORD=record, EXACT_ROUND=False, FP8_MAX=448.0, MANTISSA=3,
+                MIN_EXP=-6, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         rows.append((timed(run), (bm, bk, warps)))
     return rows
 
@@ -90,6 +97,27 @@ def rowwise_rows(x):
     return rows
 
 
+def swiglu_rows(gu, backward: bool):
+    """(ms, tile) for every tile of fp8_delayed_swiglu's forward or backward kernel, on gu
+    (N, 2I) (and dh (N, I) backward), with the amaxes recorded as in training."""
+    N, I = gu.shape[0], gu.shape[1] // 2
+    dh = torch.randn(N, I, device=gu.device, dtype=gu.dtype)
+    amax, bits = torch.ones((), device=gu.device), torch.zeros((), dtype=torch.int32,
+                                                                 device=gu.device)
+    rows = []
+    for bm, bk, warps in itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8)):
+        if bm * bk // (32 * warps) > 64:            # more than 64 values a thread
+            continue
+        kernel = "backward" if backward else "forward"
+        fds.TILES[kernel] = ((bm, bk, warps), fds.TILES[kernel][1])
+        if backward:
+            rows.append((timed(lambda: fds.swiglu_backward_fp8(dh, gu, amax, bits, amax)),
+                         (bm, bk, warps)))
+        else:
+            rows.append((timed(lambda: fds.swiglu_fp8(gu, amax, bits)), (bm, bk, warps)))
+    return rows
+
+
 def report(emit, title, rows, nbytes, rate, now):
     floor_ms = nbytes / rate * 1e3
     emit(f"\n{title}: {nbytes / 1e6:.0f} MB moved, floor {floor_ms * 1e3:.1f} us "
@@ -108,7 +136,7 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", default="2048,8192,16384", help="widths K, comma-separated "
                    "(default: %(default)s)")
-    p.add_argument("--kernels", default="amax,column,cast,rowwise",
+    p.add_argument("--kernels", default="amax,column,cast,rowwise,swiglu",
                    help="which sweeps, comma-separated (default: %(default)s)")
     p.add_argument("--rows", type=int, default=32768, help="rows N (default: 16 x 2048)")
     p.add_argument("--out", default=os.environ.get("OUT", "."),
@@ -135,9 +163,21 @@ def main():
         if "cast" in kernels:
             report(emit, f"tensorwise cast, q and q^T, K={K}", cast_rows(x), 2 * nx, rate,
                    fc.TILES["cast"][0])
+        if "recording" in kernels:
+            report(emit, f"tensorwise cast recording the amax, K={K}", cast_rows(x, True),
+                   2 * nx, rate, fc.TILES["cast_recording"][0])
         if "rowwise" in kernels:
             report(emit, f"rowwise amax + cast K={K}", rowwise_rows(x), nx * 3 // 2, rate,
                    fc.TILES["rowwise"][0])
+        if "swiglu" in kernels:     # K = I: reads gu (N, 2I), writes h_q (N, I)
+            tiles = dict(fds.TILES)
+            gu = torch.randn(args.rows, 2 * K, device="cuda", dtype=torch.bfloat16)
+            report(emit, f"SwiGLU to FP8 h, I={K}", swiglu_rows(gu, False), nx * 5 // 2,
+                   rate, tiles["forward"][0])
+            # reads gu, dh (N, I); writes d(gu)_q, d(gu)_q^T (N, 2I each) and h^T_q (I, N)
+            report(emit, f"SwiGLU backward to FP8, I={K}", swiglu_rows(gu, True),
+                   nx * 11 // 2, rate, tiles["backward"][0])
+            fds.TILES.update(tiles)
     with open(os.path.join(args.out, "fp8_cast_tiles.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
