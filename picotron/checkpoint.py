@@ -11,7 +11,8 @@ A checkpoint is a directory `<save_dir>/step_000100/` holding
   scalar state (the step count) in the metadata: keyed by name, not by position, so a later
   layout can read it.
 - `rng-rank{R}.safetensors`: the Python, torch and CUDA RNG states of rank R, as tensors and
-  JSON: nothing in a checkpoint is a pickle.
+  JSON: nothing in a checkpoint is a pickle; under training.fp8="tensorwise_delayed" also the
+  rank's FP8 amaxes (speed/fp8_delayed.py). Both are restored only in the same layout.
 - `state.json`, written last: step, tokens seen, data position, the config, the layout, the
   changes accepted at earlier resumes, a sha256 of every other file, and of itself.
 
@@ -207,6 +208,10 @@ def _load(directory: str, state: dict, model, optimizer, pgm):
                 optimizer.scaler.load_state_dict(state["loss_scale"])
         if rng is not None:
             _set_rng(rng)
+            ledger = getattr(model, "fp8_ledger", None)       # delayed FP8 scales, if any
+            if ledger is not None:
+                ledger.load_checkpoint_state(rng, rng.get("fp8_ledger"),
+                                             next(model.parameters()).device)
     return apply
 
 
@@ -234,7 +239,9 @@ def _read_rng(path: str) -> dict:
     try:
         with safe_open(path, "pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
-            python = json.loads((f.metadata() or {})["python"])
+            meta = f.metadata() or {}
+            python = json.loads(meta["python"])
+            rng["fp8_ledger"] = json.loads(meta["fp8_ledger"]) if "fp8_ledger" in meta else None
         rng["python"] = (python[0], tuple(python[1]), python[2])
     except Exception as e:     # verified, so only a file changed since: name it
         raise CheckpointError(f"{path} is not a readable RNG state ({type(e).__name__}: {e})"

@@ -97,15 +97,23 @@ def _shards(model, opt_state, pgm, buffers) -> dict:
     return out
 
 
-def _rng_shard(pgm) -> dict:
-    """This rank's RNG states as tensors (torch, each CUDA device) and JSON (Python's)."""
+def _rng_shard(pgm, model) -> dict:
+    """This rank's RNG states as tensors (torch, each CUDA device) and JSON (Python's), and
+    the state of the rank's delayed FP8 scales if the model has them (`fp8_ledger`,
+    speed/fp8_delayed.py), which belongs to the rank as its RNG streams do."""
     version, words, gauss = random.getstate()
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_initialized():     # a CPU run never starts CUDA (not even to ask)
         tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    extra = {"python": [version, list(words), gauss]}
+    ledger = getattr(model, "fp8_ledger", None)
+    saved = ledger.checkpoint_state() if ledger is not None else None
+    if saved is not None:
+        tensors.update({k: v.detach().cpu().clone() for k, v in saved[0].items()})
+        extra["fp8_ledger"] = saved[1]
     return {f"rng-rank{pgm.global_rank}.safetensors": (
         tensors, {k: {"full_shape": list(v.shape), "bounds": [[0, len(v)]]}
-                  for k, v in tensors.items()}, {"python": [version, list(words), gauss]})}
+                  for k, v in tensors.items()}, extra)}
 
 
 def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, state: dict,
@@ -125,7 +133,7 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
             snap.state["loss_scale"] = optimizer.scaler.state_dict()
     # Collective under ZeRO (the optimizer shards are gathered), so every rank computes it.
     opt_state = optimizer.param_state() if optimizer is not None else None
-    snap.shards = {**_shards(model, opt_state, pgm, buffers), **_rng_shard(pgm)}
+    snap.shards = {**_shards(model, opt_state, pgm, buffers), **_rng_shard(pgm, model)}
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()        # the pinned copies have landed: training may go on
     dist.barrier()                      # <dir>.tmp exists before any rank writes into it

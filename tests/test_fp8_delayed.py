@@ -78,6 +78,56 @@ def test_delayed_is_refused_where_it_cannot_roll():
 
 STEPS = 4
 RTOL = 1e-5     # fp32 summation order, as in every layout's parity
+TINY = ["--mbs", "2", "--seq_len", "32", "--num_hidden_layers", "2",
+        "--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
+        "--set", "training.dtype=float32", "--set", "training.warmup_steps=0",
+        "--total_train_steps", str(STEPS)]
+
+
+def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path):
+    """One process, train.py's build and step: steps 3 and 4 resumed from the checkpoint
+    saved after step 2 (the ledger in the rank's RNG file, its roll still to come) give the
+    losses, amaxes and weights of the run that went on, bit for bit; a checkpoint saved
+    during the calibrating step 1 too. A run that resumes under another site list (here:
+    plain tensorwise's checkpoint) calibrates afresh."""
+    import train
+    from checkpoint_helpers import step_state
+    from picotron.checkpoint import load_checkpoint, save_checkpoint
+    from picotron.data import StepBatches, build_train_val
+    path = write_config(tmp_path, "resume", ["--grad_acc_steps", "2"] + TINY)
+    root = str(tmp_path / "ckpt")
+
+    def build():
+        config, pgm, device = train.setup(path)
+        config.training.fp8 = "tensorwise_delayed"
+        built = train.build_training(config, pgm, device)
+        batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
+        return config, pgm, device, built, batches
+
+    def steps(run, first, last, save_after=()):
+        config, pgm, device, (model, loss_fn, grads, optimizer), batches = run
+        out = []
+        for step in range(first, last):
+            loss = train.queue_step(model, loss_fn, grads, optimizer, batches, step, config,
+                                    pgm, device).read()["loss"]
+            if step + 1 in save_after:
+                save_checkpoint(model, optimizer, pgm, config, root, step + 1,
+                                step_state(config, step + 1))
+            out.append((loss, model.fp8_ledger.state()))
+        return out, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    went_on, weights = steps(build(), 0, STEPS, save_after=(1, 2))
+    for saved in (1, 2):
+        run = build()
+        load_checkpoint(os.path.join(root, f"step_{saved:06d}"), run[3][0], run[3][3], run[1],
+                        run[0])
+        assert run[3][0].fp8_ledger.calibrating == (saved == 1)
+        resumed, resumed_weights = steps(run, saved, STEPS)
+        assert resumed == went_on[saved:], saved
+        assert all(torch.equal(resumed_weights[n], w) for n, w in weights.items())
+    run = build()                   # another site list in the checkpoint: calibrate afresh
+    assert not run[3][0].fp8_ledger.load_checkpoint_state({}, {"sites": ["x"]}, "cpu")
+    assert run[3][0].fp8_ledger.calibrating
 
 
 def reference_run(path):
@@ -91,12 +141,8 @@ def test_dp2_rolls_the_scales_one_process_computes(tmp_path):
     micro-batches: the same amaxes after every step, losses and final weights to fp32
     summation order. The control, whose roll skips the data-parallel group, keeps each rank's
     own micro-batch's amaxes and must differ."""
-    common = ["--mbs", "2", "--seq_len", "32", "--num_hidden_layers", "2",
-              "--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
-              "--set", "training.dtype=float32", "--set", "training.warmup_steps=0",
-              "--total_train_steps", str(STEPS)]
-    dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + common)
-    one = write_config(tmp_path, "one", ["--grad_acc_steps", "2"] + common)
+    dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + TINY)
+    one = write_config(tmp_path, "one", ["--grad_acc_steps", "2"] + TINY)
     out = str(tmp_path / "dp2.pt")
     launch_script(os.path.join(ROOT, "tests", "workers", "fp8_delayed_worker.py"), 2,
                   [dp2, out, STEPS])

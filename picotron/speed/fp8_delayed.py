@@ -17,8 +17,11 @@ accept the same); bench/fp8_convergence.py is the check that training does not n
 The weights keep their exact per-step scales (fp8_weights.py): they are cast once a step.
 
 The first step has no amaxes yet. It calibrates: every cast takes its own amax first, as
-"tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too. So a
-resumed run calibrates again at its first step; its other steps are the uninterrupted run's.
+"tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too.
+
+Checkpoints: each rank's ledger travels in its RNG file (`state` / `load_state`), so a run
+resumed in the same layout rolls at its first forward exactly as the uninterrupted run would
+have; in another layout, as with the RNG streams, it calibrates again at its first step.
 
 Layouts: the roll all-reduces `seen` (MAX) over the tensor-parallel group (an operand whose
 features are sharded) and the data x context group (the step's other micro-batches), so every
@@ -75,7 +78,7 @@ class AmaxLedger:
     def __init__(self, groups=()):
         self.names, self.groups = [], [g for g in groups if g is not None]
         self.scale_amax = self.seen = None
-        self.calibrating = True
+        self.calibrating, self.roll_pending = True, False
         self.watched, self.version = None, None
 
     def site(self, name: str) -> Site:
@@ -99,9 +102,9 @@ class AmaxLedger:
 
     def before_forward(self):
         version = self.watched.weight._version
-        if self.version is not None and version != self.version:
+        if self.roll_pending or (self.version is not None and version != self.version):
             self.roll()
-        self.version = version
+        self.version, self.roll_pending = version, False
 
     def roll(self):
         """A_s = the global max of what site s saw this step; seen = 0; calibration over."""
@@ -121,3 +124,22 @@ class AmaxLedger:
         if self.scale_amax is None:
             return {}
         return dict(zip(self.names, self.scale_amax.tolist()))
+
+    def checkpoint_state(self):
+        """(tensors, JSON) a checkpoint keeps of this rank's ledger, or None before any cast:
+        the buffers as they are, the roll still to come (the next forward's)."""
+        if self.scale_amax is None:
+            return None
+        return ({"fp8_ledger.scale_amax": self.scale_amax, "fp8_ledger.seen": self.seen},
+                {"sites": self.names, "calibrating": self.calibrating})
+
+    def load_checkpoint_state(self, tensors: dict, meta, device) -> bool:
+        """Take a checkpoint's ledger if it holds these very sites (else this run calibrates
+        afresh); the first forward then rolls, as the saved run's next forward would have."""
+        if meta is None or meta.get("sites") != self.names:
+            return False
+        scale_amax, seen = self.buffers(device)
+        scale_amax.copy_(tensors["fp8_ledger.scale_amax"])
+        seen.copy_(tensors["fp8_ledger.seen"])
+        self.calibrating, self.roll_pending = bool(meta["calibrating"]), True
+        return True
