@@ -146,7 +146,7 @@ def resolve_auto(config: Config) -> None:
     never gathers the logits either), and that with training.compile the compiler gets the
     readable ops to fuse; CUDA graphs over the layers of one-GPU runs of small models, where
     the host's launches would limit the step (config_features.cuda_graphs_auto_choice);
-    FP8 GEMMs (tensorwise) for models wide enough that they pay, on GPUs that have FP8
+    FP8 GEMMs (tensorwise_delayed) for models wide enough that they pay, on GPUs that have FP8
     tensor cores (config_features.fp8_auto_choice)."""
     m, t = config.model, config.training
     gpu = not config.distributed.use_cpu

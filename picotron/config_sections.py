@@ -111,10 +111,11 @@ class TrainingConfig:
     # (picotron/speed/cuda_graphs.py). "auto": on for one-GPU runs below hidden_size 2048
     # whose config allows them (config_features.cuda_graphs_auto_choice), else off
     cuda_graphs: Union[bool, str] = "auto"
-    # auto | none | tensorwise | rowwise | rowwise_bf16_dw: the decoder layers' projection
-    # GEMMs in FP8, one scale per tensor or per row, the last with the weight-gradient GEMM in
-    # bf16 (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only. "auto":
-    # tensorwise where it measured faster (config_features.fp8_auto_choice), else none
+    # auto | none | tensorwise | tensorwise_delayed | rowwise | rowwise_bf16_dw: the decoder
+    # layers' projection GEMMs in FP8, one scale per tensor (current, or from the previous
+    # step's amaxes: speed/fp8_delayed.py) or per row, the last with the weight-gradient GEMM
+    # in bf16 (picotron/speed/fp8.py); GPUs with FP8 tensor cores (sm89+) only. "auto":
+    # tensorwise_delayed where FP8 measured faster (config_features.fp8_auto_choice), else none
     fp8: str = "auto"
 
 

@@ -115,15 +115,17 @@ def test_graphed_palm_layers(tmp_path, fp8):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs FP8 tensor cores")
-def test_a_graphed_run_resumes_like_the_run_that_went_on(tmp_path):
+@pytest.mark.parametrize("fp8", ["tensorwise", "tensorwise_delayed"])
+def test_a_graphed_run_resumes_like_the_run_that_went_on(tmp_path, fp8):
     """A checkpoint loads into the parameters in place, under graphs captured before it (and
     the FP8 weight copies recast from it): steps 4-6 resumed from the step-3 checkpoint give
-    the losses and final weights of the run that went on, bit for bit."""
+    the losses and final weights of the run that went on, bit for bit. Delayed scaling: the
+    amaxes come back from the checkpoint, so the resumed run captures at its first step."""
     import json
     import shutil
     every_3 = ["--set", "checkpoint.save_frequency=3"]
     _, straight_w = train_run(tmp_path, "straight", "triton", "bfloat16", True,
-                              ckpt="selective", fp8="tensorwise", extra=every_3)
+                              ckpt="selective", fp8=fp8, extra=every_3)
     straight = tmp_path / "straight"
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "checkpoints" / "step_000003",

@@ -39,7 +39,7 @@ def test_config_refusals():
     assert ok.training.fp8 == "rowwise"
 
 
-def test_auto_picks_tensorwise_where_it_was_measured_faster(monkeypatch):
+def test_auto_picks_fp8_where_it_was_measured_faster(monkeypatch):
     """From hidden_size 2048 on a GPU with FP8 tensor cores, at tp_size 1, when nothing in
     the config keeps FP8 from running; otherwise bf16 ("none"), never a refusal. Explicit
     values stay."""
@@ -52,8 +52,11 @@ def test_auto_picks_tensorwise_where_it_was_measured_faster(monkeypatch):
         config = config_from_dict(raw)
         assert config.auto_resolved.get("training.fp8", "kept") in (config.training.fp8, "kept")
         return config.training.fp8
-    assert auto() == "tensorwise"
-    assert auto(hidden=960) == "tensorwise"        # 360M's width, one GPU: under CUDA graphs
+    assert auto() == "tensorwise_delayed"
+    assert auto(hidden=960) == "tensorwise_delayed"   # 360M's width, one GPU: under CUDA graphs
+    # where the delayed recipe does not run, the tensorwise one
+    assert auto(distributed={"zero_stage": 3, "dp_size": 2}) == "tensorwise"
+    assert auto(training={"compile": True}) == "tensorwise"
     assert auto(hidden=960, training={"cuda_graphs": False}) == "none"   # eager: no gain
     assert auto(hidden=576) == "none"                       # 135M's: none even under graphs
     assert auto(tensor_cores=False) == "none"               # an A100, or no GPU in sight
@@ -62,7 +65,7 @@ def test_auto_picks_tensorwise_where_it_was_measured_faster(monkeypatch):
     assert auto(training={"seq_length": 100, "micro_batch_size": 1}) == "none"  # not x16
     assert auto(distributed={"tp_size": 2}) == "none"      # not measured under tp yet
     assert auto(distributed={"tp_comm_overlap": True, "sequence_parallel": True}) == "none"
-    assert auto(distributed={"dp_size": 2, "pp_size": 2}) == "tensorwise"
+    assert auto(distributed={"dp_size": 2, "pp_size": 2}) == "tensorwise_delayed"
     assert auto(hidden=960, training={"fp8": "rowwise"}) == "rowwise"
     assert config_from_dict({}, resolve=False).training.fp8 == "auto"     # what create_config writes
 
