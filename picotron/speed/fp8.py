@@ -13,7 +13,7 @@ FP8 holds 8 bits: e4m3 (max 448, 3 mantissa bits: relative rounding <= 2^-4) and
 57344, 2 mantissa bits: <= 2^-3). A tensor is divided by a scale that maps its largest
 magnitude (amax) onto the format's max, rounded to FP8, and the scale is kept to undo it:
     scale = amax / fp8_max,  q = fp8(x / scale),  x ~ q * scale.
-Three recipes (`training.fp8`):
+The recipes (`training.fp8`):
 - "tensorwise": one scale per tensor. Forward operands in e4m3; the output gradient dy in e5m2:
   gradients span more binades than activations and one scale must cover all of them, so range
   matters more than the last mantissa bit (Micikevicius et al. 2022, "FP8 formats for deep
