@@ -32,6 +32,7 @@ steps: train.py's build_training and train_step (bench_speed.py's runner and tim
 micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its own process:
   "ours defaults"                  bf16, the GPU defaults (kernels triton, our loss, selective)
   "ours fp8 tensorwise"            the defaults with training.fp8=tensorwise
+  "ours fp8 tensorwise_delayed"    the defaults with training.fp8=tensorwise_delayed
   "ours fp8 rowwise"               the defaults with training.fp8=rowwise
   "ours fp8 rowwise_bf16_dw"       the defaults with training.fp8=rowwise_bf16_dw
   "ours compile"                   bf16, kernels torch + training.compile, our loss
@@ -69,6 +70,7 @@ from picotron.utils import flops_per_token  # noqa: E402
 # label: (kernels, fused_loss, compile, activation checkpointing, training.fp8)
 ROWS = {"ours defaults": ("auto", "auto", False, "auto", "none"),
         "ours fp8 tensorwise": ("auto", "auto", False, "auto", "tensorwise"),
+        "ours fp8 tensorwise_delayed": ("auto", "auto", False, "auto", "tensorwise_delayed"),
         "ours fp8 rowwise": ("auto", "auto", False, "auto", "rowwise"),
         "ours fp8 rowwise_bf16_dw": ("auto", "auto", False, "auto", "rowwise_bf16_dw"),
         "ours compile": ("torch", "triton", True, "none", "none"),
