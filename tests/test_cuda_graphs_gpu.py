@@ -104,7 +104,7 @@ def test_graphed_fp8_layers(tmp_path, kernels, ckpt, fp8):
     compare(tmp_path, kernels, "bfloat16", ckpt=ckpt, fp8=fp8)
 
 
-@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+@pytest.mark.parametrize("fp8", ["none", "tensorwise", "tensorwise_delayed"])
 def test_graphed_palm_layers(tmp_path, fp8):
     """The PaLM-style block (one shared LayerNorm, attention and MLP in parallel, multi-query,
     tied embeddings: the debug-palm preset), which training.cuda_graphs="auto" captures too."""

@@ -166,7 +166,8 @@ def test_an_fp8_checkpoint_resumes_in_bf16(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "tensorwise_delayed", "rowwise",
+                                    "rowwise_bf16_dw"])
 def test_tp2_fp8_trains_like_one_gpu_fp8(tmp_path, recipe):
     fp8 = ["--set", f"training.fp8={recipe}"]
     one = run(tmp_path, "one", *fp8, steps=20, mbs=2, seq=64, acc=8)
