@@ -12,14 +12,15 @@ before the tensor exists and takes the tensor's amax during that same cast, for 
 
 A site is one operand of one projection: its input x, its output gradient dy, and, in the
 recomputing SwiGLU + down projection (fp8_triton.py), h. A value above A_s saturates at the
-format's max instead of setting the scale (torch's and Transformer Engine's delayed recipes
-accept the same); bench/fp8_convergence.py is the check that training does not notice.
+format's max instead of setting the scale (Transformer Engine's delayed scaling accepts the
+same); bench/fp8_convergence.py is the check that training does not notice.
 The weights keep their exact per-step scales (fp8_weights.py): they are cast once a step.
 
 The first step has no amaxes yet. It calibrates: every cast takes its own amax first, as
 "tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too.
 
-Checkpoints: each rank's ledger travels in its RNG file (`state` / `load_state`), so a run
+Checkpoints: each rank's ledger travels in its RNG file (`checkpoint_state` /
+`load_checkpoint_state`), so a run
 resumed in the same layout rolls at its first forward exactly as the uninterrupted run would
 have; in another layout, as with the RNG streams, it calibrates again at its first step.
 
