@@ -204,11 +204,11 @@ class Fp8Linear(torch.autograd.Function):
         given = ctx.grad_cast.take(dy) if ctx.grad_cast is not None else None
         # handed over: rowwise dy's cast (q, scale), tensorwise dy's amax (amax,), or
         # (whole) both tensorwise casts ((q, scale), (q^T, scale)) of a dy never written
-        cast = given if ctx.recipe.rowwise else None
-        amax = given[0] if given is not None and not ctx.recipe.rowwise else None
         if whole:
             dy_c, dyt = given
         else:
+            cast = given if ctx.recipe.rowwise else None
+            amax = given[0] if given is not None and not ctx.recipe.rowwise else None
             dy_c, dyt = cast_grad(dy2, ctx.recipe, ctx.out_group, need_dx and cast is None,
                                   need_dw, amax, ctx.dy_site)
             dy_c = dy_c if cast is None else cast

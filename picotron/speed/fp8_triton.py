@@ -21,7 +21,7 @@ amax pass of its own.
 import torch
 
 from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, recipe_of,
-                                scaled_mm, weight_grad)
+                                scaled_mm, tensor_amax, weight_grad)
 from picotron.speed.fp8_fused import (GradCastHandoff, fusable, swiglu_backward_cast,
                                       swiglu_cast)
 from picotron.speed.fp8_delayed import for_this_call
@@ -33,13 +33,15 @@ from picotron.speed.triton_swiglu import (_may_overwrite, _rows, _swiglu_backwar
                                           _swiglu_forward, swiglu_packed)
 
 
-def _cast_h(h, recipe: Recipe, in_group):
-    """h (N, I) -> (h_q, h_s) for y = h W^T, and the amax h^T's cast reuses (tensorwise)."""
+def _cast_h(h, recipe: Recipe, in_group, site=None):
+    """h (N, I) -> (h_q, h_s) for y = h W^T, and the amax h^T's cast reuses (tensorwise: h's
+    own, or under delayed scaling the site's, h's own recorded for the next step)."""
     if recipe.rowwise:
         h_q, _, h_s = quantize(h, E4M3, "row", in_group)
         return h_q, h_s, None
-    amax = amax_of(h, "tensor", in_group)
-    h_q, _, h_s = quantize(h, E4M3, "tensor", amax=amax)
+    amax, record = tensor_amax(h, site, in_group)
+    amax = amax_of(h, "tensor", in_group) if amax is None else amax
+    h_q, _, h_s = quantize(h, E4M3, "tensor", amax=amax, record=record)
     return h_q, h_s, amax
 
 
@@ -68,15 +70,13 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         if ctx.fp8_only:
             h_amax = h_site.scale_amax(gu.device)
             h_q, h_s = swiglu_fp8(_rows(gu), h_amax, h_site.record_into(gu.device))
-        elif delayed:
-            h_q, h_s, h_amax = swiglu_delayed(_rows(gu), h_site, in_group)
-        elif fusable(in_group, gu):      # cast by (or from the amax of) the SwiGLU kernel
+        elif fusable(in_group, gu) and not delayed:   # cast from the SwiGLU kernel's amax
             h_q, h_s, h_amax = swiglu_cast(_rows(gu), recipe)
+            if h_site is not None:                    # calibrating: record that amax
+                _record(h_site, h_amax)
         else:
             h = _swiglu_forward(_rows(gu))              # (N, I), freed when forward returns
-            h_q, h_s, h_amax = _cast_h(h, recipe, in_group)
-        if h_site is not None and h_site.calibrating:
-            _record(h_site, h_amax)
+            h_q, h_s, h_amax = _cast_h(h, recipe, in_group, h_site)
         casts = weight_casts(cache, [weight], weight, recipe.rowwise, in_group, None,
                              transposed=ctx.needs_input_grad[0])
         ctx.recipe, ctx.casts, ctx.w_dtype = recipe, casts, weight.dtype
@@ -128,16 +128,6 @@ def _record(site, amax):
     record = site.record_into(amax.device)
     if record is not None:
         record_amax(record, amax)
-
-
-def swiglu_delayed(gu2, site, in_group):
-    """gu2 (N, 2I) -> (h_q, h_s, the amax h_s came from) with the site's delayed scale,
-    h's own amax recorded for the next step."""
-    h = _swiglu_forward(gu2)
-    amax = site.scale_amax(gu2.device)
-    h_q, _, h_s = quantize(h, E4M3, "tensor", in_group, amax=amax,
-                           record=site.record_into(gu2.device))
-    return h_q, h_s, amax
 
 
 def fp8_swiglu_mlp(x, weights, down_weight, recipe: Recipe, group=None, down_group=None,
