@@ -16,6 +16,10 @@ FP8_AUTO_MIN_HIDDEN = 2048
 # ... and from this one up when the layers replay as CUDA graphs, which take the host's
 # launches out of the step: SmolLM-360M (960) 1.07x its bf16 graphs in FP8, 135M (576) 1.0x.
 FP8_AUTO_MIN_HIDDEN_GRAPHS = 960
+# ... and "tensorwise_delayed" (no amax pass) from this one up under graphs: at SmolLM-135M
+# (576) 1.04x its bf16 graphs (361.5k against 348.5k tok/s, and 355.6k against 340.3k in the
+# convergence bench's runs).
+FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED = 576
 # training.cuda_graphs="auto" captures the layers of one-GPU runs below this hidden size:
 # SmolLM-360M and 135M as fast as eager with 4-5% less peak memory, and FP8 pays at 360M
 # under graphs only; SmolLM-1.7B ran 1.5% slower under graphs, so it stays eager.
@@ -125,8 +129,9 @@ def fp8_tensor_cores() -> bool:
 
 def fp8_auto_choice(config, tensor_cores=None) -> str:
     """What training.fp8="auto" resolves to on a GPU run: FP8 where it measured faster
-    (hidden_size >= FP8_AUTO_MIN_HIDDEN, or FP8_AUTO_MIN_HIDDEN_GRAPHS when the layers replay
-    as CUDA graphs; FP8 tensor cores, tp_size 1) and the rest of the config lets FP8 run (no
+    (hidden_size >= FP8_AUTO_MIN_HIDDEN, or when the layers replay as CUDA graphs
+    FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED for the delayed recipe, FP8_AUTO_MIN_HIDDEN_GRAPHS for
+    tensorwise; FP8 tensor cores, tp_size 1) and the rest of the config lets FP8 run (no
     fp8_problems, no tp_comm_overlap): "tensorwise_delayed", 1.7-6% faster than
     "tensorwise" and as close to bf16 in the convergence bench (bench/NOTES.md), or
     "tensorwise" where the delayed recipe does not run (ZeRO-3, compile); else "none". Under tensor
@@ -134,17 +139,19 @@ def fp8_auto_choice(config, tensor_cores=None) -> str:
     size: not yet measured on GPUs, so not chosen for the user. `tensor_cores`: whether the GPU
     has FP8 tensor cores, when it is not this process's (None: ask this process's)."""
     d = config.distributed
-    smallest = FP8_AUTO_MIN_HIDDEN_GRAPHS if config.training.cuda_graphs is True \
-        else FP8_AUTO_MIN_HIDDEN
-    if config.model.hidden_size < smallest or d.tp_size > 1 or d.tp_comm_overlap:
+    if d.tp_size > 1 or d.tp_comm_overlap:
         return "none"
     if not (fp8_tensor_cores() if tensor_cores is None else tensor_cores):
         return "none"
+    graphs = config.training.cuda_graphs is True
     for recipe in ("tensorwise_delayed", "tensorwise"):    # the faster one where it runs
         tried = dataclasses.replace(
             config, training=dataclasses.replace(config.training, fp8=recipe))
         if not fp8_problems(tried):
-            return recipe
+            smallest = FP8_AUTO_MIN_HIDDEN if not graphs else \
+                FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED if recipe == "tensorwise_delayed" else \
+                FP8_AUTO_MIN_HIDDEN_GRAPHS
+            return recipe if config.model.hidden_size >= smallest else "none"
     return "none"
 
 
