@@ -2,7 +2,7 @@
 
 `model.kernels = "triton"` computes q, k and v with one matmul (picotron/speed/fused_linear.py):
 qkv (B, T, (H + 2K) * D), each token's row holding its H query heads, then K key heads, then K
-value heads. `qkv_rope` reads that row once and writes three contiguous tensors:
+value heads. `qkv_rope` reads that row once, in one program per token, and writes three contiguous tensors:
 
     q (B, T, H, D) rotated,  k (B, T, K, D) rotated,  v (B, T, K, D) copied
 
@@ -25,40 +25,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, src_stride, dst_stride, heads, HALF,
-               ROTATE: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rope_rows(q_ptr, k_ptr, v_ptr, qkv_ptr, cos_ptr, sin_ptr, q_stride, k_stride, v_stride,
+               qkv_stride, H, K, HALF, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_HALF: tl.constexpr):
-    """Rotate (or, BACKWARD, un-rotate the gradient of) `heads` heads of one token's row;
-    without ROTATE, copy them (v: torch's strided copy of a column slice ran at a third of
-    this kernel's bandwidth on the H200)."""
+    """One token's H + 2K heads in one program: forward, the packed row of qkv into rows of
+    q and k rotated and of v copied (torch's strided copy of a column slice ran at a third of
+    this kernel's bandwidth on the H200); BACKWARD, rows of dq, dk un-rotated and dv copied
+    into the packed row. Head j < H is q's head j, j < H + K k's head j - H, then v's."""
     token = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]                      # (BLOCK_H, 1)
+    h = tl.arange(0, BLOCK_H)[:, None]                      # (BLOCK_H, 1): H + 2K rounded up
     i = tl.arange(0, BLOCK_HALF)[None, :]                   # (1, D/2 rounded up to 2^n)
-    mask = (h < heads) & (i < HALF)
+    mask = (h < H + 2 * K) & (i < HALF)
     cs = token * 2 * HALF + i
     c1 = tl.load(cos_ptr + cs, mask=i < HALF).to(tl.float32)
     c2 = tl.load(cos_ptr + cs + HALF, mask=i < HALF).to(tl.float32)
     s1 = tl.load(sin_ptr + cs, mask=i < HALF).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF, mask=i < HALF).to(tl.float32)
-    src = src_ptr + token * src_stride + h * 2 * HALF + i
+    packed = qkv_ptr + token * qkv_stride + h * 2 * HALF + i
+    split = tl.where(h < H, q_ptr + token * q_stride + h * 2 * HALF,
+                     tl.where(h < H + K, k_ptr + token * k_stride + (h - H) * 2 * HALF,
+                              v_ptr + token * v_stride + (h - H - K) * 2 * HALF)) + i
+    src, dst = (split, packed) if BACKWARD else (packed, split)
     x1 = tl.load(src, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
-    if not ROTATE:
-        y1, y2 = x1, x2
-    elif BACKWARD:
+    if BACKWARD:
         y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
     else:
         y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
-    dst = dst_ptr + token * dst_stride + h * 2 * HALF + i
-    tl.store(dst, y1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, y2.to(dst_ptr.dtype.element_ty), mask=mask)
+    rotate = h < H + K                                      # v's heads are copied
+    y1, y2 = tl.where(rotate, y1, x1), tl.where(rotate, y2, x2)
+    tl.store(dst, y1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
 
-def _launch(src, dst, cos, sin, heads, backward, rotate=True):
-    """Rows of src (N, heads*D, any row stride) -> rows of dst, rotated; cos, sin (N, D)."""
+def _launch(q, k, v, qkv, cos, sin, heads, kv_heads, backward):
+    """Token rows: qkv (N, (H + 2K) * D) <-> q (N, H * D), k, v (N, K * D), any row strides;
+    cos, sin (N, D)."""
     n, half = cos.shape[0], cos.shape[1] // 2
-    _rope_rows[(n,)](src, dst, cos, sin, src.stride(0), dst.stride(0), heads, half,
-                     ROTATE=rotate, BACKWARD=backward, BLOCK_H=triton.next_power_of_2(heads),
+    _rope_rows[(n,)](q, k, v, qkv, cos, sin, q.stride(0), k.stride(0), v.stride(0),
+                     qkv.stride(0), heads, kv_heads, half, BACKWARD=backward,
+                     BLOCK_H=triton.next_power_of_2(heads + 2 * kv_heads),
                      BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
 
 
@@ -73,9 +79,7 @@ class QKVRope(torch.autograd.Function):
         q = torch.empty(B * T, H * D, dtype=qkv.dtype, device=qkv.device)
         k = torch.empty(B * T, K * D, dtype=qkv.dtype, device=qkv.device)
         v = torch.empty(B * T, K * D, dtype=qkv.dtype, device=qkv.device)
-        _launch(rows, q, cos, sin, H, backward=False)
-        _launch(rows[:, H * D:], k, cos, sin, K, backward=False)
-        _launch(rows[:, (H + K) * D:], v, cos, sin, K, backward=False, rotate=False)
+        _launch(q, k, v, rows, cos, sin, H, K, backward=False)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (B, T, H, K, D)
         return tuple(t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
@@ -87,9 +91,7 @@ class QKVRope(torch.autograd.Function):
         d_qkv = torch.empty(B * T, (H + 2 * K) * D, dtype=dq.dtype, device=dq.device)
         # the incoming gradients are (B, H, T, D) views; the kernel wants token rows
         dq, dk, dv = (g.transpose(1, 2).reshape(B * T, -1) for g in (dq, dk, dv))
-        _launch(dq, d_qkv, cos, sin, H, backward=True)
-        _launch(dk, d_qkv[:, H * D:], cos, sin, K, backward=True)
-        _launch(dv, d_qkv[:, (H + K) * D:], cos, sin, K, backward=True, rotate=False)
+        _launch(dq, dk, dv, d_qkv, cos, sin, H, K, backward=True)
         return d_qkv.view(B, T, -1), None, None, None, None
 
 
