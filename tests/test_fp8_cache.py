@@ -211,6 +211,34 @@ def test_in_place_caches_refresh_into_the_same_tensors(recipe):
     assert {n: c.casts for n, c in found.items()} == counts
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_in_place_recast_of_a_late_transpose(recipe):
+    """W^T cast after W (a first forward without gradients, then training): recast in place
+    writes it too, scale included (tensorwise: W's one scale serves both layouts, one tensor)."""
+    from picotron.speed.fp8_weights import Fp8WeightCache
+    model, loss_fn = build(recipe, "torch", "none")
+    found = caches(model)
+    for cache in found.values():
+        cache.in_place = True
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        model(ids[:, :-1])
+    assert all(c.entry.t is None for c in found.values())
+    loss_fn(model(ids[:, :-1]), ids[:, 1:]).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    for cache in found.values():
+        cache.refresh()
+        weights, rowwise, in_group, out_group = cache.source
+        fresh = Fp8WeightCache().get(weights, weights[0], rowwise, in_group, out_group,
+                                     transposed=True)
+        mine = cache.entry
+        assert (mine.t[1] is mine.w_s) == (recipe == "tensorwise")
+        for a, b in zip((mine.w_q, mine.w_s, *mine.t), (fresh.w_q, fresh.w_s, *fresh.t)):
+            assert torch.equal(a.float(), b.float())
+
+
 def test_no_cache_under_zero3():
     """ZeRO-3 holds only the layer in use whole: the FP8 modules cast at each use instead."""
     from picotron.speed.fp8_layers import apply_fp8

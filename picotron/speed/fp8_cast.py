@@ -244,22 +244,30 @@ def amax(x, scaling: int):
 
 
 def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool = False,
-         record=None):
+         record=None, out=None):
     """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
     returns it; all-reduced already where another rank holds part of what it spans).
-    `record`: an int32 scalar that receives max |x|'s fp32 bits (atomic max), or None."""
+    `record`: an int32 scalar that receives max |x|'s fp32 bits (atomic max), or None.
+    `out`: (q, q^T, scale) to write into (contiguous; None where not asked for), or None."""
     x = _unit_columns(x)
     if x.is_cuda and x.dtype == torch.float32 and rows and transposed:
         # Measured on an H200 (Triton 3.6): from an fp32 x, the kernel that writes both q and
         # q^T stores q^T wrong (rows of one repeated byte), whatever the tile; each alone is
         # right. FP8 training casts bf16 (fp32 comes from the tests' fp32 models), so the
         # second pass costs no real run anything.
-        q, _, scale = cast(x, amax_, fp8_dtype, scaling, rows=True, record=record)
-        return q, cast(x, amax_, fp8_dtype, scaling, rows=False, transposed=True)[1], scale
+        q_out, qt_out, s_out = out or (None, None, None)
+        q, _, scale = cast(x, amax_, fp8_dtype, scaling, rows=True, record=record,
+                           out=out and (q_out, None, s_out))
+        qt = cast(x, amax_, fp8_dtype, scaling, rows=False, transposed=True,
+                  out=out and (None, qt_out, s_out))[1]
+        return q, qt, scale
     (N, K), (bm, bk, warps) = x.shape, _tile("cast" if record is None else "cast_recording", x)
-    q = torch.empty((N, K), dtype=fp8_dtype, device=x.device) if rows else None
-    qt = torch.empty((K, N), dtype=fp8_dtype, device=x.device) if transposed else None
-    scale = torch.empty_like(amax_)
+    if out is not None:
+        q, qt, scale = out
+    else:
+        q = torch.empty((N, K), dtype=fp8_dtype, device=x.device) if rows else None
+        qt = torch.empty((K, N), dtype=fp8_dtype, device=x.device) if transposed else None
+        scale = torch.empty_like(amax_)
     fp8_max, mantissa, min_exp = FORMATS[fp8_dtype]
     _cast[(triton.cdiv(N, bm), triton.cdiv(K, bk))](
         x, amax_, x if q is None else q, x if qt is None else qt, scale,

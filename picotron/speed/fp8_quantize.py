@@ -45,24 +45,33 @@ def _check(scaling, rows, transposed):
 
 
 def quantize(x, fp8_dtype, scaling: str, group=None, rows: bool = True,
-             transposed: bool = False, amax=None, record=None):
+             transposed: bool = False, amax=None, record=None, out=None):
     """(q, q^T, scale) of x (N, K) under `scaling` (module docstring); q or q^T is None when
     not asked for. `group`: the TP group over which the amax must be all-reduced, or None.
     `amax`: one computed before (`amax_of`), to cast x again with the same scale, or the
     delayed scale's (fp8_delayed.py). `record` (tensor scaling): an int32 scalar that also
-    receives max |x| (this rank's, as fp32 bits, by atomic max), or None."""
+    receives max |x| (this rank's, as fp32 bits, by atomic max), or None. `out`: (q, q^T,
+    scale) to write into, as shaped here (None where not asked for): a weight's FP8 copies
+    that a captured CUDA graph reads (fp8_weights.py), or None for new tensors."""
     _check(scaling, rows, transposed)
     assert record is None or scaling == "tensor", "amaxes are recorded per tensor"
     if not use_kernels(x):
         amax = amax_of(x, scaling, group) if amax is None else amax
         if record is not None:
             record_amax(record, reference_amax(x, "tensor"))
-        return reference(x, fp8_dtype, scaling, amax, rows, transposed)
-    if amax is None and scaling == "row" and _alone(group):
+        made = reference(x, fp8_dtype, scaling, amax, rows, transposed)
+        if out is None:
+            return made
+        for into, value in zip(out, made):
+            if value is not None:
+                into.copy_(value)
+        return out
+    if amax is None and scaling == "row" and _alone(group) and out is None:
         q, scale = _kernels().quantize_rows(x, fp8_dtype)       # amax and cast: one kernel
         return q, None, scale
     amax = amax_of(x, scaling, group) if amax is None else amax
-    return _kernels().cast(x, amax, fp8_dtype, SCALINGS[scaling], rows, transposed, record)
+    return _kernels().cast(x, amax, fp8_dtype, SCALINGS[scaling], rows, transposed, record,
+                           out)
 
 
 def record_amax(bits, amax):

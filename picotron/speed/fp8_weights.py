@@ -42,25 +42,32 @@ def one_matrix(weights):
     return weights[0] if len(weights) == 1 else stacked(weights)
 
 
-def cast_weight(w, rowwise: bool, in_group, out_group, transposed: bool):
+def cast_weight(w, rowwise: bool, in_group, out_group, transposed: bool, into=None):
     """(W_q, W_s, (W^T_q, W^T_s) or None) for W (O, C_in). Rowwise: W's rows along C_in
     (sharded by in_group), W^T's along O (out_group). Tensorwise: one scale over every
-    shard, both layouts in one pass."""
+    shard, both layouts in one pass. `into`: a WeightCasts whose tensors are written instead
+    of new ones (its W^T too when `transposed`)."""
     if rowwise:
-        w_q, _, w_s = quantize(w, E4M3, "row", in_group)
-        return w_q, w_s, cast_weight_t(w, rowwise, in_group, out_group) if transposed else None
-    w_q, wt_q, w_s = quantize(w, E4M3, "tensor", in_group or out_group, transposed=transposed)
+        w_q, _, w_s = quantize(w, E4M3, "row", in_group, out=into and (into.w_q, None, into.w_s))
+        return w_q, w_s, (cast_weight_t(w, rowwise, in_group, out_group, into) if transposed
+                          else None)
+    w_q, wt_q, w_s = quantize(w, E4M3, "tensor", in_group or out_group, transposed=transposed,
+                              out=into and (into.w_q, into.t[0] if transposed else None,
+                                            into.w_s))
     return w_q, w_s, (wt_q, w_s) if transposed else None
 
 
-def cast_weight_t(w, rowwise: bool, in_group, out_group):
+def cast_weight_t(w, rowwise: bool, in_group, out_group, into=None):
     """(W^T_q (C_in, O), its scale) for dx = dy W: per row of W^T along O (rowwise), or the
-    tensor's one scale, which is W_s again (the same W gives the same amax)."""
+    tensor's one scale, which is W_s again (the same W gives the same amax). `into`: as in
+    cast_weight."""
+    out = into and (None, *into.t)
     if rowwise:
-        _, wt_q, wt_s = quantize(w, E4M3, "column", out_group, rows=False, transposed=True)
+        _, wt_q, wt_s = quantize(w, E4M3, "column", out_group, rows=False, transposed=True,
+                                 out=out)
     else:
         _, wt_q, wt_s = quantize(w, E4M3, "tensor", in_group or out_group, rows=False,
-                                 transposed=True)
+                                 transposed=True, out=out)
     return wt_q, wt_s
 
 
@@ -74,14 +81,14 @@ class WeightCasts:
     def transposed(self, w):
         """(W^T_q, W^T_s), cast now if forward did not (a forward without gradients)."""
         if self.t is None:
-            self.t = cast_weight_t(w, *self.args)
+            wt_q, wt_s = cast_weight_t(w, *self.args)
+            self.t = wt_q, (wt_s if self.args[0] else self.w_s)    # tensorwise: W_s is W^T_s
         return self.t
 
-    def copy_(self, fresh):
-        """Take `fresh`'s values into these tensors (the ones a captured graph reads)."""
-        for mine, new in zip((self.w_q, self.w_s, *(self.t or ())),
-                             (fresh.w_q, fresh.w_s, *(fresh.t or ()))):
-            mine.copy_(new)
+    def cast_again(self, w):
+        """Cast w into these same tensors (the ones a captured graph reads): no new copies,
+        no copy of them."""
+        cast_weight(w, *self.args, transposed=self.t is not None, into=self)
 
 
 class Fp8WeightCache:
@@ -100,7 +107,7 @@ class Fp8WeightCache:
         if self.stale() or (transposed and self.entry.t is None):
             if self.in_place and self.entry is not None:
                 if transposed and self.entry.t is None:     # W^T asked for the first time
-                    self.entry.t = cast_weight_t(w, rowwise, in_group, out_group)
+                    self.entry.transposed(w)
                 if self.stale():
                     self.recast()
             else:
@@ -125,9 +132,7 @@ class Fp8WeightCache:
     def recast(self):
         """Cast the weights again into the tensors the entry holds (in place: the ones a
         captured graph reads), whether they changed or not."""
-        weights, rowwise, in_group, out_group = self.source
-        self.entry.copy_(WeightCasts(one_matrix(weights), rowwise, in_group, out_group,
-                                     transposed=self.entry.t is not None))
+        self.entry.cast_again(one_matrix(self.source[0]))
 
     def refresh(self):
         """Recast in place now if a weight changed since the last use."""
