@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from norm_tiles import copy_rate  # noqa: E402  (the floor's yardstick)
 from picotron.speed import fp8_cast as fc  # noqa: E402
 from picotron.speed import fp8_delayed_swiglu as fds  # noqa: E402
+from picotron.speed.fp8_delayed import SLOT_STRIDE, SLOTS  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -59,12 +60,17 @@ def amax_rows(x, per_column: bool):
     return rows
 
 
+def site_slots(device):
+    """Where a delayed site's casts record their amax, as in training (fp8_delayed.py)."""
+    return torch.zeros((SLOTS, SLOT_STRIDE), dtype=torch.int32, device=device)
+
+
 def cast_rows(x, record: bool = False):
     """(ms, tile) for every _cast tile; `record`: the amax taken as the cast runs (delayed
     scaling, fp8_delayed.py)."""
     N, K = x.shape
     amax = x.abs().amax().float()
-    bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    bits = site_slots(x.device)
     q, qt = torch.empty((N, K), dtype=E4M3, device=x.device), torch.empty((K, N), dtype=E4M3,
                                                                         device=x.device)
     scale = torch.empty_like(amax)
@@ -73,7 +79,8 @@ def cast_rows(x, record: bool = False):
         def run():
             fc._cast[(triton.cdiv(N, bm), triton.cdiv(K, bk))](
                 x, amax, q, qt, scale, bits, N, K, K, SCALING=fc.TENSOR, WRITE_Q=True,
-                WRITE_QT=True, RECORD=record, EXACT_ROUND=False, FP8_MAX=448.0, MANTISSA=3,
+                WRITE_QT=True, RECORD=record, SLOTS=SLOTS, SLOT_STRIDE=SLOT_STRIDE,
+                EXACT_ROUND=False, FP8_MAX=448.0, MANTISSA=3,
                 MIN_EXP=-6, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         rows.append((timed(run), (bm, bk, warps)))
     return rows
@@ -102,8 +109,7 @@ def swiglu_rows(gu, backward: bool):
     (N, 2I) (and dh (N, I) backward), with the amaxes recorded as in training."""
     N, I = gu.shape[0], gu.shape[1] // 2
     dh = torch.randn(N, I, device=gu.device, dtype=gu.dtype)
-    amax, bits = torch.ones((), device=gu.device), torch.zeros((), dtype=torch.int32,
-                                                                 device=gu.device)
+    amax, bits = torch.ones((), device=gu.device), site_slots(gu.device)
     rows = []
     for bm, bk, warps in itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8)):
         if bm * bk // (32 * warps) > 64:            # more than 64 values a thread

@@ -16,6 +16,7 @@ import triton.language as tl  # noqa: E402
 
 from picotron.speed import fp8_cast, fp8_quantize  # noqa: E402
 from picotron.speed.fp8 import fp8_linear  # noqa: E402
+from picotron.speed.fp8_delayed import SLOT_STRIDE, SLOTS  # noqa: E402
 from picotron.speed.fp8_quantize import (E4M3, E5M2, FORMATS, quantize, reference,  # noqa: E402
                                          reference_amax)
 
@@ -118,6 +119,12 @@ def test_the_cast_records_the_amax_of_what_it_casts(monkeypatch):
             assert_same(got, reference(x, fmt, "tensor", amax / 2, rows, transposed),
                         f"{n}x{k} {fmt} q={rows} q^T={transposed}")
             assert torch.equal(record.view(torch.float32), amax)
+            # a delayed site's slots: the programs spread over them, their max is the amax
+            slots = torch.full((SLOTS, SLOT_STRIDE), 7, dtype=torch.int32, device=DEVICE)
+            quantize(x, fmt, "tensor", rows=rows, transposed=transposed, amax=amax / 2,
+                     record=slots)
+            assert torch.equal(slots.amax().view(torch.float32), amax)
+            assert (slots[:, 0] != 7).sum() > 1 and (slots[:, 1:] == 7).all()
 
 
 def test_delayed_fp8_linear_through_the_kernels(monkeypatch):
@@ -138,7 +145,7 @@ def test_delayed_fp8_linear_through_the_kernels(monkeypatch):
             xs, ws = (x * scale).requires_grad_(), w.clone().requires_grad_()
             y = fp8_linear(xs, [ws], "tensorwise_delayed", sites=sites)
             y.backward(dy * scale)
-            got += [y.detach(), xs.grad, ws.grad, ledger.seen.clone()]
+            got += [y.detach(), xs.grad, ws.grad, ledger.seen_amaxes()]
             ledger.roll()
         results.append(got)
     for i, (ref, got) in enumerate(zip(*results)):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.speed.triton_swiglu import _amax_into
+from picotron.speed.triton_swiglu import _amax_into_slot
 
 # The kernels' own copy of fp8_quantize's tables (which imports this module, on GPUs only;
 # tests/test_fp8_kernels.py checks the two agree): SCALING codes, and per format its largest
@@ -142,14 +142,14 @@ def _amax(x_ptr, out_ptr, N, K, stride, PER_COLUMN: tl.constexpr,
 @triton.jit
 def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, seen_ptr, N, K, stride,
           SCALING: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-          RECORD: tl.constexpr, EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr,
-          MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+          RECORD: tl.constexpr, SLOTS: tl.constexpr, SLOT_STRIDE: tl.constexpr,
+          EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+          MIN_EXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_K) tile: scale from the given amax (one, per row or per column),
     q = fp8(x / scale) stored as (N, K) rows (WRITE_Q) and/or as (K, N) rows of q^T
     (WRITE_QT). The scales are stored by the first program along the other axis. RECORD:
-    the tile's largest |x| atomically maxed into seen_ptr's int32 bits (delayed scaling's
-    amax for the next step, fp8_delayed.py)."""
+    the tile's largest |x| atomically maxed into one of seen_ptr's SLOTS int32 bits (delayed
+    scaling's amax for the next step, fp8_delayed.py)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -173,7 +173,7 @@ def _cast(x_ptr, amax_ptr, q_ptr, qt_ptr, s_ptr, seen_ptr, N, K, stride,
         if pid_m == 0:
             tl.store(s_ptr + cols, scale, mask=col_ok)
     if RECORD:                       # masked elements are 0
-        _amax_into(seen_ptr, x.to(tl.float32))
+        _amax_into_slot(seen_ptr, x.to(tl.float32), SLOTS, SLOT_STRIDE)
     q = _fp8_values(v, EXACT_ROUND, FP8_MAX, MANTISSA, MIN_EXP)
     if WRITE_Q:
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty),
@@ -200,6 +200,12 @@ AMAX_PROGRAMS_PER_SM = 8        # row programs per SM per column block: enough l
 
 def _tile(kernel, x):
     return TILES[kernel][0 if x.is_cuda else 1]
+
+
+def record_slots(record):
+    """(SLOTS, SLOT_STRIDE) of a record buffer: a site's (slots, stride) int32 rows
+    (fp8_delayed.py), or one place."""
+    return tuple(record.shape) if record is not None and record.dim() == 2 else (1, 1)
 
 
 def _unit_columns(x):
@@ -247,8 +253,8 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
          record=None, out=None):
     """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
     returns it; all-reduced already where another rank holds part of what it spans).
-    `record`: an int32 scalar that receives max |x|'s fp32 bits (atomic max), or None.
-    `out`: (q, q^T, scale) to write into (contiguous; None where not asked for), or None."""
+    `record`: int32 bits that receive max |x| (atomic max; a scalar, or a delayed site's
+    slots, `record_slots`), or None. `out`: (q, q^T, scale) to write into (contiguous; None where not asked for), or None."""
     x = _unit_columns(x)
     if x.is_cuda and x.dtype == torch.float32 and rows and transposed:
         # Measured on an H200 (Triton 3.6): from an fp32 x, the kernel that writes both q and
@@ -273,6 +279,7 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
         x, amax_, x if q is None else q, x if qt is None else qt, scale,
         amax_ if record is None else record, N, K, x.stride(0), SCALING=scaling,
         WRITE_Q=rows, WRITE_QT=transposed, RECORD=record is not None,
+        SLOTS=record_slots(record)[0], SLOT_STRIDE=record_slots(record)[1],
         EXACT_ROUND=not x.is_cuda,
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=warps)

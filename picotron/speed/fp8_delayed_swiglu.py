@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from picotron.speed.fp8_cast import FORMATS, _fp8_values, _scales
+from picotron.speed.fp8_cast import FORMATS, _fp8_values, _scales, record_slots
 from picotron.speed.fp8_quantize import E4M3, E5M2
-from picotron.speed.triton_swiglu import _amax_into, _swiglu_grads, _swiglu_h
+from picotron.speed.triton_swiglu import _amax_into_slot, _swiglu_grads, _swiglu_h
 
 # (BLOCK_M, BLOCK_K, num_warps) on the GPU and on CPU (small: the tests walk the masks),
 # measured on an H200 at I = 2560 and 8192, 32768 tokens (bench/fp8_cast_tiles.py --kernels
@@ -44,11 +44,13 @@ def _tile(ptr, rows64, cols, stride, mask):
 
 @triton.jit
 def _swiglu_fwd_fp8(gu_ptr, q_ptr, amax_ptr, s_ptr, seen_ptr, N, I, gu_stride,
-                    RECORD: tl.constexpr, EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr,
+                    RECORD: tl.constexpr, SLOTS: tl.constexpr, SLOT_STRIDE: tl.constexpr,
+                    EXACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr,
                     MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """h's tile rounded to gu's dtype, times 1 / scale (from amax_ptr), to FP8 in q (N, I);
-    its amax maxed into seen_ptr if RECORD; the scale stored by program (0, 0)."""
+    its amax maxed into one of seen_ptr's SLOTS if RECORD; the scale stored by program
+    (0, 0)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < I)[None, :]
@@ -57,7 +59,7 @@ def _swiglu_fwd_fp8(gu_ptr, q_ptr, amax_ptr, s_ptr, seen_ptr, N, I, gu_stride,
     u = _tile(gu_ptr + I, rows64, cols, gu_stride, mask)
     h = _swiglu_h(g.to(tl.float32), u.to(tl.float32)).to(g.dtype).to(tl.float32)
     if RECORD:                                       # masked elements are 0: silu(0) * 0
-        _amax_into(seen_ptr, h)
+        _amax_into_slot(seen_ptr, h, SLOTS, SLOT_STRIDE)
     scale, inv = _scales(tl.load(amax_ptr), FP8_MAX)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(s_ptr, scale)
@@ -77,13 +79,14 @@ def _store_both(q_ptr, qt_ptr, v, rows, rows64, cols, N, width, row_ok, col_ok):
 
 @triton.jit
 def _swiglu_bwd_fp8(dh_ptr, gu_ptr, q_ptr, qt_ptr, ht_ptr, g_amax_ptr, h_amax_ptr, g_s_ptr,
-                    h_s_ptr, seen_ptr, N, I, dh_stride, gu_stride, EXACT_ROUND: tl.constexpr,
+                    h_s_ptr, seen_ptr, N, I, dh_stride, gu_stride, SLOTS: tl.constexpr,
+                    SLOT_STRIDE: tl.constexpr, EXACT_ROUND: tl.constexpr,
                     G_MAX: tl.constexpr, G_MANTISSA: tl.constexpr, G_MIN_EXP: tl.constexpr,
                     H_MAX: tl.constexpr, H_MANTISSA: tl.constexpr, H_MIN_EXP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """d gate, d up and h of one tile (triton_swiglu._swiglu_grads, each rounded to gu's
     dtype): d(gu) cast by g_amax's scale into q (N, 2I) and q^T (2I, N), its amax maxed into
-    seen_ptr; h cast by h_amax's scale into ht (I, N). Scales stored by program (0, 0)."""
+    one of seen_ptr's SLOTS; h cast by h_amax's scale into ht (I, N). Scales stored by program (0, 0)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < N, cols < I
@@ -96,8 +99,10 @@ def _swiglu_bwd_fp8(dh_ptr, gu_ptr, q_ptr, qt_ptr, ht_ptr, g_amax_ptr, h_amax_pt
     dgate = dgate.to(g.dtype).to(tl.float32)
     dup = dup.to(g.dtype).to(tl.float32)
     h = h.to(g.dtype).to(tl.float32)
-    _amax_into(seen_ptr, dgate)                      # masked elements are 0 (dh = 0 there)
-    _amax_into(seen_ptr, dup)
+    # one atomic for both halves (two cost 94 us of a 378 us kernel, one 39; masked elements
+    # are 0, dh = 0 there); a NaN stays one
+    _amax_into_slot(seen_ptr, tl.maximum(tl.abs(dgate), tl.abs(dup),
+                                         propagate_nan=tl.PropagateNan.ALL), SLOTS, SLOT_STRIDE)
     g_scale, g_inv = _scales(tl.load(g_amax_ptr), G_MAX)
     h_scale, h_inv = _scales(tl.load(h_amax_ptr), H_MAX)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -122,7 +127,8 @@ def _grid(kernel, gu2, n, i):
 
 def swiglu_fp8(gu2, amax, record):
     """gu2 (N, 2I), unit column stride -> (h_q (N, I) e4m3, h_s ()): h = swiglu(gu2) cast
-    with the scale of `amax` (a () fp32), max |h| maxed into `record` (int32) unless None."""
+    with the scale of `amax` (a () fp32), max |h| maxed into `record` (int32 bits, a scalar or
+    a site's slots: fp8_cast.record_slots) unless None."""
     n, i = gu2.shape[0], gu2.shape[1] // 2
     q = torch.empty((n, i), dtype=E4M3, device=gu2.device)
     scale = torch.empty((), dtype=torch.float32, device=gu2.device)
@@ -130,6 +136,8 @@ def swiglu_fp8(gu2, amax, record):
         grid, tile = _grid("forward", gu2, n, i)
         _swiglu_fwd_fp8[grid](gu2, q, amax, scale, amax if record is None else record, n, i,
                               gu2.stride(0), RECORD=record is not None,
+                              SLOTS=record_slots(record)[0],
+                              SLOT_STRIDE=record_slots(record)[1],
                               EXACT_ROUND=not gu2.is_cuda, FP8_MAX=FORMATS[E4M3][0],
                               MANTISSA=FORMATS[E4M3][1], MIN_EXP=FORMATS[E4M3][2], **tile)
     return q, scale
@@ -147,7 +155,8 @@ def swiglu_backward_fp8(dh2, gu2, dgu_amax, record, h_amax):
     if n > 0:
         grid, tile = _grid("backward", gu2, n, i)
         _swiglu_bwd_fp8[grid](dh2, gu2, q, qt, ht, dgu_amax, h_amax, g_s, h_s, record, n, i,
-                              dh2.stride(0), gu2.stride(0), EXACT_ROUND=not gu2.is_cuda,
+                              dh2.stride(0), gu2.stride(0), SLOTS=record_slots(record)[0],
+                              SLOT_STRIDE=record_slots(record)[1], EXACT_ROUND=not gu2.is_cuda,
                               G_MAX=FORMATS[E5M2][0], G_MANTISSA=FORMATS[E5M2][1],
                               G_MIN_EXP=FORMATS[E5M2][2], H_MAX=FORMATS[E4M3][0],
                               H_MANTISSA=FORMATS[E4M3][1], H_MIN_EXP=FORMATS[E4M3][2], **tile)

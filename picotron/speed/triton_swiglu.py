@@ -84,6 +84,15 @@ def _amax_into(amax_ptr, v):
 
 
 @triton.jit
+def _amax_into_slot(slots_ptr, v, SLOTS: tl.constexpr, STRIDE: tl.constexpr):
+    """_amax_into one of SLOTS int32 places STRIDE apart, picked by the program's first grid
+    index (a reader takes the max over them): tens of thousands of programs maxing into one
+    address wait for each other (an H200 spent 39 of a 323 us kernel on it), apart they do
+    not. SLOTS = 1 is one address."""
+    _amax_into(slots_ptr + (tl.program_id(0) % SLOTS) * STRIDE, v)
+
+
+@triton.jit
 def _swiglu_fwd(gu_ptr, h_ptr, amax_ptr, n_rows, n_cols, gu_stride, h_stride,
                 ROWS: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr):
     # One (ROWS, BLOCK) tile of h; gate at column c of gu, up at column n_cols + c.
