@@ -21,11 +21,12 @@ What a graph needs, and how each is met here:
   torch's checkpoint, so the graphs capture it like any other op). Data parallelism is
   fine: its reductions run from gradient hooks, after the backward graph (no overlap).
 - training.fp8: its weight caches (fp8_weights.py) decide on the host when a weight changed,
-  which a replay would skip; so they recast in place, into the tensors the graphs read, and
-  `refresh` runs that check (and the recast, after an optimizer step) on the host before
-  each replay. Activations' scales stay on the GPU. Under "tensorwise_delayed" the first
-  step calibrates the scales with casts that delayed steps do not run, so it runs eager, and
-  the capture happens at the first forward after it.
+  which a replay would skip; so they recast in place, into the tensors the graphs read: the
+  host checks the weights' versions before each replay, and after an optimizer step replays
+  a third graph that holds every weight's recast (`capture_recasts`). Activations' scales
+  stay on the GPU. Under "tensorwise_delayed" the first step calibrates the scales with
+  casts that delayed steps do not run, so it runs eager, and the capture happens at the
+  first forward after it.
 Memory: the graph's private pool keeps one step's activations and the layers' bf16 weight
 gradients (its outputs) between steps, instead of handing them back to the allocator.
 """
@@ -79,6 +80,8 @@ def capture_layers(model, config, device):
             ledger.seen.copy_(seen)
         # the caches the layers used (with our kernels the fused blocks', not their linears')
         graphs["caches"] = [cache for cache in fp8_caches if cache.entry is not None]
+        if graphs["caches"]:
+            graphs["recasts"] = capture_recasts(graphs["caches"])
 
     if ledger is None:
         capture()
@@ -92,9 +95,24 @@ def capture_layers(model, config, device):
                     return eager(run_keys, x, cos, sin, position_ids)
                 torch.cuda.empty_cache()       # the eager step's blocks, before the pool
                 capture()
-            for cache in graphs["caches"]:     # the weights' FP8 copies, recast if stale
-                cache.refresh()
+            if any(cache.stale() for cache in graphs["caches"]):   # after an optimizer step
+                graphs["recasts"].replay()
+                for cache in graphs["caches"]:
+                    cache.mark_fresh()
             return graphs["stack"](x, cos, sin, position_ids)
         return eager(run_keys, x, cos, sin, position_ids)
     model.run_layers = run_layers
     return model
+
+
+def capture_recasts(caches):
+    """Every weight's FP8 recast (Fp8WeightCache.recast: in place, into the tensors the layer
+    graphs read) as one more graph. Launched one by one from the host they are a few hundred
+    small kernels with ~100 us of Python each, the GPU idle meanwhile (bench/NOTES.md); a
+    replay is one launch. A weight that did not change recasts to the same bits, so every
+    replay recasts them all."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for cache in caches:
+            cache.recast()
+    return graph
