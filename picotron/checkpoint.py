@@ -208,10 +208,11 @@ def _load(directory: str, state: dict, model, optimizer, pgm):
                 optimizer.scaler.load_state_dict(state["loss_scale"])
         if rng is not None:
             _set_rng(rng)
-            ledger = getattr(model, "fp8_ledger", None)       # delayed FP8 scales, if any
-            if ledger is not None:
-                ledger.load_checkpoint_state(rng, rng.get("fp8_ledger"),
-                                             next(model.parameters()).device)
+        ledger = getattr(model, "fp8_ledger", None)      # delayed FP8 scales, in any layout
+        saved = state.get("fp8_amaxes")
+        if ledger is not None and saved:
+            ledger.load_amaxes(saved["amaxes"], next(model.parameters()).device,
+                               dy_ratio=pgm.dp_size * pgm.cp_size / saved["dy_scale"])
     return apply
 
 
@@ -241,7 +242,6 @@ def _read_rng(path: str) -> dict:
             rng = {k: f.get_tensor(k) for k in f.keys()}
             meta = f.metadata() or {}
             python = json.loads(meta["python"])
-            rng["fp8_ledger"] = json.loads(meta["fp8_ledger"]) if "fp8_ledger" in meta else None
         rng["python"] = (python[0], tuple(python[1]), python[2])
     except Exception as e:     # verified, so only a file changed since: name it
         raise CheckpointError(f"{path} is not a readable RNG state ({type(e).__name__}: {e})"

@@ -142,6 +142,11 @@ def read_state(directory: str):
         fields.fail("sha256", f"has entries that are not a file name and a sha256: {bad}")
     if fields.get("loss_scale", dict, optional=True) is not None:
         fields.get("loss_scale.scale", (int, float))
+    if fields.get("fp8_amaxes", dict, optional=True) is not None:     # delayed FP8 scales
+        fields.get("fp8_amaxes.dy_scale", int, minimum=1)
+        amaxes = fields.get("fp8_amaxes.amaxes", dict)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in amaxes.values()):
+            fields.fail("fp8_amaxes.amaxes", "must map site names to numbers")
     history = fields.get("accepted_changes", list, optional=True) or []
     fields.get("config", dict)
     config = _saved_config(fields)

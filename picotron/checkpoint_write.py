@@ -97,23 +97,31 @@ def _shards(model, opt_state, pgm, buffers) -> dict:
     return out
 
 
-def _rng_shard(pgm, model) -> dict:
-    """This rank's RNG states as tensors (torch, each CUDA device) and JSON (Python's), and
-    the state of the rank's delayed FP8 scales if the model has them (`fp8_ledger`,
-    speed/fp8_delayed.py), which belongs to the rank as its RNG streams do."""
+def _rng_shard(pgm) -> dict:
+    """This rank's RNG states as tensors (torch, each CUDA device) and JSON (Python's)."""
     version, words, gauss = random.getstate()
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_initialized():     # a CPU run never starts CUDA (not even to ask)
         tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     extra = {"python": [version, list(words), gauss]}
-    ledger = getattr(model, "fp8_ledger", None)
-    saved = ledger.checkpoint_state() if ledger is not None else None
-    if saved is not None:
-        tensors.update({k: v.detach().cpu().clone() for k, v in saved[0].items()})
-        extra["fp8_ledger"] = saved[1]
     return {f"rng-rank{pgm.global_rank}.safetensors": (
         tensors, {k: {"full_shape": list(v.shape), "bounds": [[0, len(v)]]}
                   for k, v in tensors.items()}, extra)}
+
+
+def _fp8_amaxes(model, config, pgm):
+    """Collective. Under delayed FP8 scaling: every site's amax for the next step
+    (speed/fp8_delayed.py: rolled over the ranks that share the site, gathered from the
+    pipeline stages) by name, and `dy_scale`, dp x cp, the factor between a rank's output
+    gradients and one process's (which a resume in another layout divides out); else None."""
+    if config.training.fp8 != "tensorwise_delayed":
+        return None
+    ledger = getattr(model, "fp8_ledger", None)
+    mine = ledger.rolled_amaxes() if ledger is not None else {}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {"dy_scale": pgm.dp_size * pgm.cp_size,
+            "amaxes": {name: value for part in parts for name, value in part.items()}}
 
 
 def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, state: dict,
@@ -133,7 +141,10 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
             snap.state["loss_scale"] = optimizer.scaler.state_dict()
     # Collective under ZeRO (the optimizer shards are gathered), so every rank computes it.
     opt_state = optimizer.param_state() if optimizer is not None else None
-    snap.shards = {**_shards(model, opt_state, pgm, buffers), **_rng_shard(pgm, model)}
+    snap.shards = {**_shards(model, opt_state, pgm, buffers), **_rng_shard(pgm)}
+    amaxes = _fp8_amaxes(model, config, pgm)
+    if amaxes is not None and snap.state is not None:
+        snap.state["fp8_amaxes"] = amaxes
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()        # the pinned copies have landed: training may go on
     dist.barrier()                      # <dir>.tmp exists before any rank writes into it

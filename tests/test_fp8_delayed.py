@@ -86,10 +86,10 @@ TINY = ["--mbs", "2", "--seq_len", "32", "--num_hidden_layers", "2",
 
 def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path):
     """One process, train.py's build and step: steps 3 and 4 resumed from the checkpoint
-    saved after step 2 (the ledger in the rank's RNG file, its roll still to come) give the
+    saved after step 2 (in state.json, the amaxes its next roll would set) give the
     losses, amaxes and weights of the run that went on, bit for bit; a checkpoint saved
-    during the calibrating step 1 too. A run that resumes under another site list (here:
-    plain tensorwise's checkpoint) calibrates afresh."""
+    after the calibrating step 1 too. A run that resumes under another site list
+    calibrates afresh."""
     import train
     from checkpoint_helpers import step_state
     from picotron.checkpoint import load_checkpoint, save_checkpoint
@@ -121,12 +121,13 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path):
         run = build()
         load_checkpoint(os.path.join(root, f"step_{saved:06d}"), run[3][0], run[3][3], run[1],
                         run[0])
-        assert run[3][0].fp8_ledger.calibrating == (saved == 1)
+        ledger = run[3][0].fp8_ledger
+        assert not ledger.calibrating and ledger.state() == went_on[saved][1]
         resumed, resumed_weights = steps(run, saved, STEPS)
         assert resumed == went_on[saved:], saved
         assert all(torch.equal(resumed_weights[n], w) for n, w in weights.items())
     run = build()                   # another site list in the checkpoint: calibrate afresh
-    assert not run[3][0].fp8_ledger.load_checkpoint_state({}, {"sites": ["x"]}, "cpu")
+    assert not run[3][0].fp8_ledger.load_amaxes({"x": 1.0}, "cpu")
     assert run[3][0].fp8_ledger.calibrating
 
 
@@ -140,12 +141,14 @@ def test_dp2_rolls_the_scales_one_process_computes(tmp_path):
     """dp2 (one micro-batch a rank) against one process accumulating the same two
     micro-batches: the same amaxes after every step, losses and final weights to fp32
     summation order. The control, whose roll skips the data-parallel group, keeps each rank's
-    own micro-batch's amaxes and must differ."""
+    own micro-batch's amaxes and must differ. dp2's checkpoint after step 2 resumes in one
+    process with the amaxes that run rolled there (its output gradients' halved: one process
+    has 1/2 of dp2's), and trains on like it."""
     dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + TINY)
     one = write_config(tmp_path, "one", ["--grad_acc_steps", "2"] + TINY)
-    out = str(tmp_path / "dp2.pt")
+    out, root = str(tmp_path / "dp2.pt"), str(tmp_path / "dp2_ckpt")
     launch_script(os.path.join(ROOT, "tests", "workers", "fp8_delayed_worker.py"), 2,
-                  [dp2, out, STEPS])
+                  [dp2, out, STEPS, root])
     runs = torch.load(out)
     ref = reference_run(one)
     assert len(ref["amaxes"][0]) >= 8                  # x and dy of each projection, 2 layers
@@ -163,3 +166,11 @@ def test_dp2_rolls_the_scales_one_process_computes(tmp_path):
     control = runs["control"]["amaxes"][0]
     assert any(abs(control[s] - a) > 1e-3 * a for s, a in ref["amaxes"][0].items()
                if s.endswith(".x"))
+    from workers.fp8_delayed_worker import run
+    resumed = run(one, STEPS, resume=os.path.join(root, "step_000002"))
+    assert resumed["loaded"].keys() == ref["amaxes"][1].keys()
+    for site, a in ref["amaxes"][1].items():
+        assert resumed["loaded"][site] == pytest.approx(a, rel=RTOL), site
+    assert resumed["losses"] == pytest.approx(ref["losses"][2:], rel=RTOL)
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], w, rtol=RTOL, atol=RTOL)

@@ -19,10 +19,11 @@ The weights keep their exact per-step scales (fp8_weights.py): they are cast onc
 The first step has no amaxes yet. It calibrates: every cast takes its own amax first, as
 "tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too.
 
-Checkpoints: each rank's ledger travels in its RNG file (`checkpoint_state` /
-`load_checkpoint_state`), so a run
-resumed in the same layout rolls at its first forward exactly as the uninterrupted run would
-have; in another layout, as with the RNG streams, it calibrates again at its first step.
+Checkpoints: a save takes the amaxes the next roll would set (`rolled_amaxes`: the same
+all-reduce, the ledger left as it is) and keeps them by site name in state.json, one set
+for every layout; a resume in any layout (`load_amaxes`) casts its first step with them, as
+the run that went on does after its roll. A checkpoint without them (or of a model with
+other sites: model.kernels changes the fused blocks) resumes calibrating.
 
 Layouts: the roll all-reduces `seen` (MAX) over the tensor-parallel group (an operand whose
 features are sharded) and the data x context group (the step's other micro-batches), so every
@@ -48,6 +49,10 @@ import torch.distributed as dist
 # programs' atomics on one address queue behind each other (measured on an H200: 39 us of
 # the 323 us SwiGLU backward), on 32 they do not. The roll takes the max over them.
 SLOTS, SLOT_STRIDE = 32, 32
+# A site's name: its projection's (or fused block's) module name, then ".x" for its input
+# (the SwiGLU's h is the down projection's) or GRADIENT for its output gradient dy
+# (fp8_layers.py).
+GRADIENT = ".dy"
 
 
 class Site:
@@ -141,23 +146,32 @@ class AmaxLedger:
             return {}
         return dict(zip(self.names, self.scale_amax.tolist()))
 
-    def checkpoint_state(self):
-        """(tensors, JSON) a checkpoint keeps of this rank's ledger, or None before any cast:
-        the buffers as they are, the roll still to come (the next forward's)."""
-        if self.scale_amax is None:
-            return None
-        return ({"fp8_ledger.scale_amax": self.scale_amax,
-                 "fp8_ledger.seen": self.seen_amaxes()},
-                {"sites": self.names, "calibrating": self.calibrating})
+    def rolled_amaxes(self) -> dict:
+        """{site name: A_s} as the next roll will set them, leaving this ledger as it is: what
+        a checkpoint keeps (module docstring). Collective over the ledger's groups, as the
+        roll is; {} before any cast."""
+        if self.seen is None:
+            return {}
+        seen = self.seen_amaxes().view(torch.float32)
+        for group in self.groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+        return dict(zip(self.names, torch.where(seen != 0, seen, self.scale_amax).tolist()))
 
-    def load_checkpoint_state(self, tensors: dict, meta, device) -> bool:
-        """Take a checkpoint's ledger if it holds these very sites (else this run calibrates
-        afresh); the first forward then rolls, as the saved run's next forward would have."""
-        if meta is None or meta.get("sites") != self.names:
+    def load_amaxes(self, amaxes: dict, device, dy_ratio: float = 1.0) -> bool:
+        """Take a checkpoint's `rolled_amaxes` (saved by any layout: the names are the
+        layers', the values maxima over the step) if it holds every site of this ledger, in
+        place (CUDA graphs read these buffers); the next step casts with them, as the saved
+        run's would have. Else this run calibrates afresh. `dy_ratio`: this layout's output
+        gradients over the saving one's (dp x cp over theirs: each rank's loss is the mean
+        over its own tokens, the weight gradients then averaged), applied to the gradient
+        sites; a power of two moves no FP8 value."""
+        if not self.names or any(name not in amaxes for name in self.names):
             return False
         scale_amax, seen = self.buffers(device)
-        scale_amax.copy_(tensors["fp8_ledger.scale_amax"])
+        scale_amax.copy_(torch.tensor(
+            [amaxes[n] * (dy_ratio if n.endswith(GRADIENT) else 1.0) for n in self.names],
+            dtype=torch.float32))
         seen.zero_()
-        seen.view(len(self.names), -1)[:, 0] = tensors["fp8_ledger.seen"]
-        self.calibrating, self.roll_pending = bool(meta["calibrating"]), True
+        self.calibrating, self.roll_pending = False, False
         return True

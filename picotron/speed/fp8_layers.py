@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from picotron.errors import ConfigError
 from picotron.speed.fp8 import fp8_linear
-from picotron.speed.fp8_delayed import AmaxLedger
+from picotron.speed.fp8_delayed import GRADIENT, AmaxLedger
 from picotron.speed.fp8_weights import Fp8WeightCache
 from picotron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -170,7 +170,8 @@ def apply_fp8(model, config, tp_group=None, dp_group=None):
 def _sites(ledger, name):
     """(x's, dy's) delayed-scaling sites of the projection (or fused block) `name`, or None
     when the recipe is not delayed."""
-    return None if ledger is None else (ledger.site(f"{name}.x"), ledger.site(f"{name}.dy"))
+    return None if ledger is None else (ledger.site(f"{name}.x"),
+                                        ledger.site(f"{name}{GRADIENT}"))
 
 
 def _cache(config):

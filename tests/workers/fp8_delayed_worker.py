@@ -1,46 +1,59 @@
 """Worker for test_fp8_delayed.py: training.fp8="tensorwise_delayed" at dp2 on 2 gloo ranks.
 
-argv: the dp2 config, the output file, then STEPS. Trains the config twice through train.py's
-build and step: as the recipe is, and as a control whose amax roll skips the data-parallel
-group (each rank's scales from its own micro-batches only). FP8 is set after loading: the
-config refuses FP8 on CPU (no FP8 tensor cores), and the math is the GPU's. Rank 0 saves, per
-run, the losses, the delayed amaxes after each step, and the final weights."""
+argv: the dp2 config, the output file, STEPS, then a checkpoint folder. Trains the config
+twice through train.py's build and step: as the recipe is (saving a checkpoint after step 2),
+and as a control whose amax roll skips the data-parallel group (each rank's scales from its
+own micro-batches only). FP8 is set after loading: the config refuses FP8 on CPU (no FP8
+tensor cores), and the math is the GPU's. Rank 0 saves, per run, the losses, the delayed
+amaxes after each step, and the final weights. `run` also resumes a checkpoint (the test
+calls it in one process)."""
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
 import train  # noqa: E402
 from picotron.data import StepBatches, build_train_val  # noqa: E402
 
 
-def run(path, steps, roll_over_dp=True):
-    """{"losses", "amaxes" (one {site: A_s} per step), "weights"} of `steps` steps."""
+def run(path, steps, roll_over_dp=True, save_to=None, resume=None):
+    """{"losses", "amaxes" (one {site: A_s} per step), "weights"} of the steps up to `steps`;
+    `save_to`: a checkpoint folder, saved after step 2; `resume`: a checkpoint to start
+    from (the result then has "loaded": the amaxes the ledger took from it)."""
+    from checkpoint_helpers import step_state
+    from picotron.checkpoint import load_checkpoint, save_checkpoint
     config, pgm, device = train.setup(path)
     config.training.fp8 = "tensorwise_delayed"
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
-    ledger = model.fp8_ledger
+    ledger, first, out = model.fp8_ledger, 0, {}
     if not roll_over_dp:
         ledger.groups = [g for g in ledger.groups if g is not pgm.cp_dp_group]
+    if resume is not None:
+        first = load_checkpoint(resume, model, optimizer, pgm, config)["step"]
+        out["loaded"] = ledger.state()
     batches = StepBatches(build_train_val(config, os.path.dirname(path))[0], config, pgm,
                           device)
     losses, amaxes = [], []
-    for step in range(steps):
+    for step in range(first, steps):
         values = train.queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
                                   device)
         losses.append(values.read()["loss"])
+        if save_to is not None and step + 1 == 2:
+            save_checkpoint(model, optimizer, pgm, config, save_to, 2, step_state(config, 2))
         ledger.before_forward()         # the roll the next step's first forward would run
         amaxes.append(ledger.state())
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "amaxes": amaxes, "weights": weights}
+    return {"losses": losses, "amaxes": amaxes, "weights": weights, **out}
 
 
-def main(path, out, steps):
-    runs = {"delayed": run(path, steps), "control": run(path, steps, roll_over_dp=False)}
+def main(path, out, steps, save_to):
+    runs = {"delayed": run(path, steps, save_to=save_to),
+            "control": run(path, steps, roll_over_dp=False)}
     if torch.distributed.get_rank() == 0:
         torch.save(runs, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
