@@ -104,6 +104,21 @@ def test_kernels_equal_the_reference(monkeypatch, dtype):
             assert_same(got, want, what + " (amax, then cast)")
 
 
+def test_a_nan_is_the_amax():
+    """Like torch's amax, the kernels' amax of a tensor (or of its row or column) holding a
+    NaN is NaN, wherever it sits among the programs' tiles, and so is its scale (then the
+    step's loss), instead of a cast that quietly drops it."""
+    for n, k, row, col in [(70, 200, 0, 0), (70, 200, 69, 199), (130, 40, 65, 17)]:
+        x = operand(n, k, torch.bfloat16, 0)
+        x[row, col] = float("nan")
+        assert fp8_cast.amax(x, fp8_cast.TENSOR).isnan()
+        for scaling, at in ((fp8_cast.COLUMN, col), (fp8_cast.ROW, row)):
+            amaxes = fp8_cast.amax(x, scaling).flatten()
+            assert amaxes[at].isnan() and amaxes.isnan().sum() == 1, scaling
+        scales = fp8_cast.quantize_rows(x, E4M3)[1].flatten()
+        assert scales[row].isnan() and scales.isnan().sum() == 1
+
+
 def test_the_cast_records_the_amax_of_what_it_casts(monkeypatch):
     """Delayed scaling's cast (fp8_delayed.py): a given amax (here half the tensor's, so
     values saturate) and the tensor's own amax recorded as the cast runs: q, q^T and the

@@ -61,8 +61,9 @@ def _fp8_round(v, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.con
 @triton.jit
 def _scales(amax, FP8_MAX: tl.constexpr):
     """(scale, 1 / scale) of an fp32 amax (any shape): the dequantization scale the GEMM takes,
-    and the factor each value is multiplied by."""
-    scale = tl.maximum(amax, 1e-12) * (1.0 / FP8_MAX)
+    and the factor each value is multiplied by. A NaN amax gives a NaN scale, as torch's
+    clamp in the reference does."""
+    scale = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) * (1.0 / FP8_MAX)
     return scale, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
 
@@ -89,15 +90,16 @@ def _rowwise(x_ptr, q_ptr, s_ptr, N, K, stride, AMAX_ONLY: tl.constexpr,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)[:, None]            # row * stride can pass 2^31 elements
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.int32)   # as |x|'s bits, as in _amax: a NaN stays
     start = 0        # `while`: Triton's interpreter cannot take a range with run-time bounds
     while start < K:
         cols = start + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows64 * stride + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1),
-                          propagate_nan=tl.PropagateNan.ALL)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True),
+                                       axis=1))
         start += BLOCK_K
+    amax = amax.to(tl.float32, bitcast=True)
     if AMAX_ONLY:
         tl.store(s_ptr + rows, amax, mask=row_ok)
     else:
@@ -120,23 +122,24 @@ def _amax(x_ptr, out_ptr, N, K, stride, PER_COLUMN: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Column block program_id(0), row blocks program_id(1) + i * num_programs(1): the
     largest |x| of each column (PER_COLUMN) or of the tensor, atomically maxed into out_ptr
-    (int32 bits of non-negative fp32, zeroed by the caller)."""
+    (int32 bits of non-negative fp32, zeroed by the caller). Reduced as those bits, as
+    _amax_into does: a float max would drop a NaN, which must be the amax, as torch's."""
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.int32)
     start = tl.program_id(1) * BLOCK_M
     while start < N:
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < N)[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=mask,
                     other=0.0)
-        acc = tl.maximum(acc, tl.max(tl.abs(x.to(tl.float32)), axis=0),
-                         propagate_nan=tl.PropagateNan.ALL)
+        bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)     # (BLOCK_M, BLOCK_K)
+        acc = tl.maximum(acc, tl.max(bits, axis=0))
         start += tl.num_programs(1) * BLOCK_M
     if PER_COLUMN:
-        tl.atomic_max(out_ptr + cols, acc.to(tl.int32, bitcast=True), mask=col_ok)
+        tl.atomic_max(out_ptr + cols, acc, mask=col_ok)
     else:
-        tl.atomic_max(out_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_max(out_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
