@@ -9,7 +9,7 @@ tests/conftest.py sets it only on machines without a GPU).
   with our fused one (Triton's interpreter on CPU) recast once per step, and train like the
   run that casts at every use;
 - "rowwise_bf16_dw": y and dx bitwise rowwise's, dW the plain product dy^T x;
-- under CUDA graphs (`in_place` caches), `recast` and `refresh` write a changed weight into
+- under CUDA graphs (`in_place` caches), `recast` (then `mark_fresh`) writes a changed weight into
   the same tensors, with the values a fresh cast gives, also W^T after a forward without gradients;
 - no cache under ZeRO-3.
 """
@@ -164,7 +164,7 @@ def test_rowwise_bf16_dw_is_rowwise_with_an_exact_weight_gradient():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_in_place_caches_refresh_into_the_same_tensors(recipe):
     """What a captured graph needs (speed/cuda_graphs.py): after an in-place weight update the
-    caches are `stale`, and `refresh` (or `recast` and `mark_fresh` called directly) writes
+    caches are `stale`, and `recast` and `mark_fresh` (what cuda_graphs.py replays and runs) write
     into the very tensors the capture read, with the bits a new cache would cast; then the
     forward hits. A forward without gradients after an update (validation) recasts W^T too,
     which the next backward reads."""
@@ -187,15 +187,12 @@ def test_in_place_caches_refresh_into_the_same_tensors(recipe):
             assert all(torch.equal(a.float(), b.float())
                        for a, b in zip(tensors(cache.entry), tensors(fresh)))
     pointers = {n: [t.data_ptr() for t in tensors(c.entry)] for n, c in found.items()}
-    for update in ("refresh", "no_grad forward", "recast"):
+    for update in ("recast", "no_grad forward", "recast again"):
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.5)
             assert all(cache.stale() for cache in found.values())
-            if update == "refresh":
-                for cache in found.values():
-                    cache.refresh()
-            elif update == "recast":         # refresh's two halves, called directly
+            if update.startswith("recast"):
                 for cache in found.values():
                     cache.recast()
                     cache.mark_fresh()
@@ -229,7 +226,9 @@ def test_in_place_recast_of_a_late_transpose(recipe):
         for p in model.parameters():
             p.mul_(0.5)
     for cache in found.values():
-        cache.refresh()
+        assert cache.stale()
+        cache.recast()
+        cache.mark_fresh()
         weights, rowwise, in_group, out_group = cache.source
         fresh = Fp8WeightCache().get(weights, weights[0], rowwise, in_group, out_group,
                                      transposed=True)

@@ -24,8 +24,8 @@ whose point is not to hold every layer's weights whole (fp8_layers._cache).
 
 Under training.cuda_graphs the replayed graph skips this Python, so the layers' graphs read
 the copies where the capture found them: `in_place` caches recast into those same tensors,
-and cuda_graphs.py calls `refresh` on the host before each replay (the same version check,
-outside the graph).
+and cuda_graphs.py checks `stale` on the host before each replay (the same version check,
+outside the graph) and then replays every cache's `recast`, captured as a graph of its own.
 
 Memory: W_q and W^T_q, 1 byte each per element, kept between steps: 2 bytes per projection
 parameter, as much as the bf16 weights themselves (3.2 GB at SmolLM-1.7B's 1.6 B projection
@@ -133,12 +133,6 @@ class Fp8WeightCache:
         """Cast the weights again into the tensors the entry holds (in place: the ones a
         captured graph reads), whether they changed or not."""
         self.entry.cast_again(one_matrix(self.source[0]))
-
-    def refresh(self):
-        """Recast in place now if a weight changed since the last use."""
-        if self.source is not None and self.stale():
-            self.recast()
-            self.mark_fresh()
 
 
 def weight_casts(cache, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
