@@ -1,9 +1,10 @@
 """Writing a checkpoint in two halves: a snapshot on the main thread, then only files.
 
 `take_snapshot` runs on every rank at the step boundary, on the main thread: the collectives
-(ZeRO's gather of the optimizer shards, the barrier after rank 0 makes `<dir>.tmp`) and, for
-a background save, the copies of this rank's tensors to host memory (HostBuffers) all happen
-here, so training may change the parameters as soon as it returns. `write_snapshot` then touches only files, never a process group, so it can run on a
+(ZeRO's gather of the optimizer shards, delayed FP8's amaxes, the barrier after rank 0 makes
+`<dir>.tmp`) and, for a background save, the copies of this rank's tensors to host memory
+(HostBuffers) all happen here, so training may change the parameters as soon as it returns.
+`write_snapshot` then touches only files, never a process group, so it can run on a
 background thread (picotron/async_save.py):
 1. this rank's shards and its RNG state into `<dir>.tmp`, then a marker `.done-rank{R}.json`
    holding their sha256 (or `.failed-rank{R}.json` with the error);

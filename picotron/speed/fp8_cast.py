@@ -257,7 +257,8 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
     """(q (N, K) or None, q^T (K, N) or None, scale) from a given amax (shaped as `amax`
     returns it; all-reduced already where another rank holds part of what it spans).
     `record`: int32 bits that receive max |x| (atomic max; a scalar, or a delayed site's
-    slots, `record_slots`), or None. `out`: (q, q^T, scale) to write into (contiguous; None where not asked for), or None."""
+    slots, `record_slots`), or None. `out`: (q, q^T, scale) to write into (contiguous; None
+    where not asked for), or None."""
     x = _unit_columns(x)
     if x.is_cuda and x.dtype == torch.float32 and rows and transposed:
         # Measured on an H200 (Triton 3.6): from an fp32 x, the kernel that writes both q and

@@ -86,7 +86,8 @@ def _swiglu_bwd_fp8(dh_ptr, gu_ptr, q_ptr, qt_ptr, ht_ptr, g_amax_ptr, h_amax_pt
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """d gate, d up and h of one tile (triton_swiglu._swiglu_grads, each rounded to gu's
     dtype): d(gu) cast by g_amax's scale into q (N, 2I) and q^T (2I, N), its amax maxed into
-    one of seen_ptr's SLOTS; h cast by h_amax's scale into ht (I, N). Scales stored by program (0, 0)."""
+    one of seen_ptr's SLOTS; h cast by h_amax's scale into ht (I, N). Scales stored by
+    program (0, 0)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < N, cols < I

@@ -49,8 +49,9 @@ def quantize(x, fp8_dtype, scaling: str, group=None, rows: bool = True,
     """(q, q^T, scale) of x (N, K) under `scaling` (module docstring); q or q^T is None when
     not asked for. `group`: the TP group over which the amax must be all-reduced, or None.
     `amax`: one computed before (`amax_of`), to cast x again with the same scale, or the
-    delayed scale's (fp8_delayed.py). `record` (tensor scaling): an int32 scalar that also
-    receives max |x| (this rank's, as fp32 bits, by atomic max), or None. `out`: (q, q^T,
+    delayed scale's (fp8_delayed.py). `record` (tensor scaling): int32 bits (a scalar, or a
+    delayed site's slots) that also receive max |x| (this rank's, as fp32 bits, by atomic
+    max), or None. `out`: (q, q^T,
     scale) to write into, as shaped here (None where not asked for): a weight's FP8 copies
     that a captured CUDA graph reads (fp8_weights.py), or None for new tensors."""
     _check(scaling, rows, transposed)
@@ -75,8 +76,8 @@ def quantize(x, fp8_dtype, scaling: str, group=None, rows: bool = True,
 
 
 def record_amax(bits, amax):
-    """bits (int32 scalar) = max(bits, amax's fp32 bits): the kernels' atomic max, in torch
-    (for non-negative floats, and a NaN, the int32 order is the float order)."""
+    """bits (int32, any shape) = max(bits, amax's fp32 bits): the kernels' atomic max, in
+    torch (for non-negative floats, and a NaN, the int32 order is the float order)."""
     torch.maximum(bits, amax.abs().float().view(torch.int32), out=bits)
 
 

@@ -2,7 +2,8 @@
 
 `model.kernels = "triton"` computes q, k and v with one matmul (picotron/speed/fused_linear.py):
 qkv (B, T, (H + 2K) * D), each token's row holding its H query heads, then K key heads, then K
-value heads. `qkv_rope` reads that row once, in one program per token, and writes three contiguous tensors:
+value heads. `qkv_rope` reads that row once (one program per token, all H + 2K heads) and writes
+three contiguous tensors:
 
     q (B, T, H, D) rotated,  k (B, T, K, D) rotated,  v (B, T, K, D) copied
 
