@@ -70,8 +70,8 @@ def test_delayed_is_refused_where_it_cannot_roll():
     from picotron.config_features import fp8_problems
     config = Config()
     config.training.fp8 = "tensorwise_delayed"
-    config.distributed.zero_stage = 3
-    assert "zero_stage=3" in " ".join(fp8_problems(config))
+    config.distributed.zero_stage, config.distributed.dp_size = 3, 2
+    assert not fp8_problems(config)                 # ZeRO-3 rolls like one process (below)
     config.distributed.zero_stage, config.training.compile = 1, True
     assert "training.compile=true" in " ".join(fp8_problems(config))
 
@@ -140,29 +140,37 @@ def reference_run(path):
 def test_dp2_rolls_the_scales_one_process_computes(tmp_path):
     """dp2 (one micro-batch a rank) against one process accumulating the same two
     micro-batches: the same amaxes after every step, losses and final weights to fp32
-    summation order. The control, whose roll skips the data-parallel group, keeps each rank's
-    own micro-batch's amaxes and must differ. dp2's checkpoint after step 2 resumes in one
-    process with the amaxes that run rolled there (its output gradients' halved: one process
-    has 1/2 of dp2's), and trains on like it."""
+    summation order; and so ZeRO-3 dp2 with accumulation (two one-sample micro-batches a
+    rank: its gathers must not look like a weight change, which would roll between
+    micro-batches) against one process accumulating four. The control, whose roll skips the
+    data-parallel group, keeps each rank's own micro-batch's amaxes and must differ. dp2's
+    checkpoint after step 2 resumes in one process with the amaxes that run rolled there
+    (its output gradients' halved), and trains on like it."""
     dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + TINY)
+    zero3 = write_config(tmp_path, "zero3", ["--dp", "2", "--zero_stage", "3"] + TINY
+                         + ["--mbs", "1", "--grad_acc_steps", "2"])
     one = write_config(tmp_path, "one", ["--grad_acc_steps", "2"] + TINY)
+    one_by_1 = write_config(tmp_path, "one_by_1", TINY + ["--mbs", "1", "--grad_acc_steps",
+                                                            "4"])
     out, root = str(tmp_path / "dp2.pt"), str(tmp_path / "dp2_ckpt")
     launch_script(os.path.join(ROOT, "tests", "workers", "fp8_delayed_worker.py"), 2,
-                  [dp2, out, STEPS, root])
+                  [dp2, out, STEPS, root, zero3])
     runs = torch.load(out)
-    ref = reference_run(one)
-    assert len(ref["amaxes"][0]) >= 8                  # x and dy of each projection, 2 layers
-    for step, (got, want) in enumerate(zip(runs["delayed"]["amaxes"], ref["amaxes"])):
-        assert got.keys() == want.keys()
-        for site, a in want.items():
-            # dy is the gradient of a micro-batch's loss / grad_acc_steps: 1 at dp2, 2 in
-            # one process, so dp2's dy and its scale are both 2x (a power of two: the same
-            # FP8 values)
-            a = 2 * a if site.endswith(".dy") else a
-            assert got[site] == pytest.approx(a, rel=RTOL), (step, site)
-    assert runs["delayed"]["losses"] == pytest.approx(ref["losses"], rel=RTOL)
-    for name, w in ref["weights"].items():
-        torch.testing.assert_close(runs["delayed"]["weights"][name], w, rtol=RTOL, atol=RTOL)
+    refs = {"delayed": reference_run(one), "zero3": reference_run(one_by_1)}
+    for layout, ref in refs.items():
+        assert len(ref["amaxes"][0]) >= 8              # x and dy of each projection, 2 layers
+        for step, (got, want) in enumerate(zip(runs[layout]["amaxes"], ref["amaxes"])):
+            assert got.keys() == want.keys()
+            for site, a in want.items():
+                # each rank's loss is the mean over its own tokens, the gradients averaged
+                # over dp: dp2's dy, and its scale, are 2x one process's (a power of two:
+                # the same FP8 values)
+                a = 2 * a if site.endswith(".dy") else a
+                assert got[site] == pytest.approx(a, rel=RTOL), (layout, step, site)
+        assert runs[layout]["losses"] == pytest.approx(ref["losses"], rel=RTOL), layout
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(runs[layout]["weights"][name], w, rtol=RTOL, atol=RTOL)
+    ref = refs["delayed"]
     control = runs["control"]["amaxes"][0]
     assert any(abs(control[s] - a) > 1e-3 * a for s, a in ref["amaxes"][0].items()
                if s.endswith(".x"))

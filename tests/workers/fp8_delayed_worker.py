@@ -1,9 +1,9 @@
 """Worker for test_fp8_delayed.py: training.fp8="tensorwise_delayed" at dp2 on 2 gloo ranks.
 
-argv: the dp2 config, the output file, STEPS, then a checkpoint folder. Trains the config
-twice through train.py's build and step: as the recipe is (saving a checkpoint after step 2),
-and as a control whose amax roll skips the data-parallel group (each rank's scales from its
-own micro-batches only). FP8 is set after loading: the config refuses FP8 on CPU (no FP8
+argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the dp2 config at
+ZeRO-3. Trains the dp2 config twice through train.py's build and step: as the recipe is
+(saving a checkpoint after step 2), and as a control whose amax roll skips the data-parallel
+group (each rank's scales from its own micro-batches only); then the ZeRO-3 one. FP8 is set after loading: the config refuses FP8 on CPU (no FP8
 tensor cores), and the math is the GPU's. Rank 0 saves, per run, the losses, the delayed
 amaxes after each step, and the final weights. `run` also resumes a checkpoint (the test
 calls it in one process)."""
@@ -44,16 +44,18 @@ def run(path, steps, roll_over_dp=True, save_to=None, resume=None):
             save_checkpoint(model, optimizer, pgm, config, save_to, 2, step_state(config, 2))
         ledger.before_forward()         # the roll the next step's first forward would run
         amaxes.append(ledger.state())
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with grads.full_parameters():                   # ZeRO-3 holds only shards between steps
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "amaxes": amaxes, "weights": weights, **out}
 
 
-def main(path, out, steps, save_to):
+def main(path, out, steps, save_to, zero3_path):
     runs = {"delayed": run(path, steps, save_to=save_to),
-            "control": run(path, steps, roll_over_dp=False)}
+            "control": run(path, steps, roll_over_dp=False),
+            "zero3": run(zero3_path, steps)}
     if torch.distributed.get_rank() == 0:
         torch.save(runs, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
