@@ -211,8 +211,12 @@ def _load(directory: str, state: dict, model, optimizer, pgm):
         ledger = getattr(model, "fp8_ledger", None)      # delayed FP8 scales, in any layout
         saved = state.get("fp8_amaxes")
         if ledger is not None and saved:
-            ledger.load_amaxes(saved["amaxes"], next(model.parameters()).device,
-                               dy_ratio=pgm.dp_size * pgm.cp_size / saved["dy_scale"])
+            taken = ledger.load_amaxes(saved["amaxes"], next(model.parameters()).device,
+                                       dy_ratio=pgm.dp_size * pgm.cp_size / saved["dy_scale"])
+            if not taken and pgm.global_rank == 0:
+                print(f"warning: {directory} holds delayed FP8 amaxes for other projections "
+                      f"than this model's (another model.kernels?); the first step "
+                      f"calibrates them afresh", file=sys.stderr, flush=True)
     return apply
 
 

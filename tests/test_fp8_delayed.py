@@ -84,12 +84,12 @@ TINY = ["--mbs", "2", "--seq_len", "32", "--num_hidden_layers", "2",
         "--total_train_steps", str(STEPS)]
 
 
-def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path):
+def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path, capsys):
     """One process, train.py's build and step: steps 3 and 4 resumed from the checkpoint
     saved after step 2 (in state.json, the amaxes its next roll would set) give the
     losses, amaxes and weights of the run that went on, bit for bit; a checkpoint saved
     after the calibrating step 1 too. A run that resumes under another site list
-    calibrates afresh."""
+    calibrates afresh, and says so."""
     import train
     from checkpoint_helpers import step_state
     from picotron.checkpoint import load_checkpoint, save_checkpoint
@@ -126,9 +126,12 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path):
         resumed, resumed_weights = steps(run, saved, STEPS)
         assert resumed == went_on[saved:], saved
         assert all(torch.equal(resumed_weights[n], w) for n, w in weights.items())
-    run = build()                   # another site list in the checkpoint: calibrate afresh
-    assert not run[3][0].fp8_ledger.load_amaxes({"x": 1.0}, "cpu")
-    assert run[3][0].fp8_ledger.calibrating
+    run = build()                   # other sites than the checkpoint's: calibrate afresh
+    ledger = run[3][0].fp8_ledger
+    ledger.names = [f"other.{name}" for name in ledger.names]
+    load_checkpoint(os.path.join(root, "step_000002"), run[3][0], run[3][3], run[1], run[0])
+    assert ledger.calibrating
+    assert "holds delayed FP8 amaxes for other projections" in capsys.readouterr().err
 
 
 def reference_run(path):
