@@ -1,9 +1,10 @@
 """Worker for test_fp8_delayed.py: training.fp8="tensorwise_delayed" at dp2 on 2 gloo ranks.
 
-argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the dp2 config at
-ZeRO-3. Trains the dp2 config twice through train.py's build and step: as the recipe is
-(saving a checkpoint after step 2), and as a control whose amax roll skips the data-parallel
-group (each rank's scales from its own micro-batches only); then the ZeRO-3 one. FP8 is set after loading: the config refuses FP8 on CPU (no FP8
+argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the ZeRO-3 dp2, tp2
+and pp2 configs. Trains the dp2 config twice through train.py's build and step: as the
+recipe is (saving a checkpoint after step 2), and as a control whose amax roll skips the
+data-parallel group (each rank's scales from its own micro-batches only); then the others,
+and a tp2 control whose roll skips the tensor-parallel group. FP8 is set after loading: the config refuses FP8 on CPU (no FP8
 tensor cores), and the math is the GPU's. Rank 0 saves, per run, the losses, the delayed
 amaxes after each step, and the final weights. `run` also resumes a checkpoint (the test
 calls it in one process)."""
@@ -18,18 +19,20 @@ import train  # noqa: E402
 from picotron.data import StepBatches, build_train_val  # noqa: E402
 
 
-def run(path, steps, roll_over_dp=True, save_to=None, resume=None):
+def run(path, steps, skip=None, save_to=None, resume=None):
     """{"losses", "amaxes" (one {site: A_s} per step), "weights"} of the steps up to `steps`;
-    `save_to`: a checkpoint folder, saved after step 2; `resume`: a checkpoint to start
-    from (the result then has "loaded": the amaxes the ledger took from it)."""
+    `skip`: "dp" or "tp", a control whose roll leaves out that group; `save_to`: a
+    checkpoint folder, saved after step 2; `resume`: a checkpoint to start from (the result
+    then has "loaded": the amaxes the ledger took from it)."""
     from checkpoint_helpers import step_state
     from picotron.checkpoint import load_checkpoint, save_checkpoint
     config, pgm, device = train.setup(path)
     config.training.fp8 = "tensorwise_delayed"
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
     ledger, first, out = model.fp8_ledger, 0, {}
-    if not roll_over_dp:
-        ledger.groups = [g for g in ledger.groups if g is not pgm.cp_dp_group]
+    if skip is not None:
+        left_out = pgm.cp_dp_group if skip == "dp" else pgm.tp_group
+        ledger.groups = [g for g in ledger.groups if g is not left_out]
     if resume is not None:
         first = load_checkpoint(resume, model, optimizer, pgm, config)["step"]
         out["loaded"] = ledger.state()
@@ -43,19 +46,35 @@ def run(path, steps, roll_over_dp=True, save_to=None, resume=None):
         if save_to is not None and step + 1 == 2:
             save_checkpoint(model, optimizer, pgm, config, save_to, 2, step_state(config, 2))
         ledger.before_forward()         # the roll the next step's first forward would run
-        amaxes.append(ledger.state())
-    with grads.full_parameters():                   # ZeRO-3 holds only shards between steps
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        amaxes.append(every_stage(ledger.state()) if pgm.pp_size > 1 else ledger.state())
+    if pgm.pp_size > 1:                 # the loss is the last stage's
+        losses = every_stage(losses)
+    weights = None                      # whole weights on each rank: not under tp or pp
+    if pgm.tp_size == 1 and pgm.pp_size == 1:
+        with grads.full_parameters():               # ZeRO-3 holds only shards between steps
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "amaxes": amaxes, "weights": weights, **out}
 
 
-def main(path, out, steps, save_to, zero3_path):
+def every_stage(mine):
+    """Under pp: {site: A_s} of every stage's sites (each rank's ledger holds its layers'),
+    or the last stage's losses."""
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    if isinstance(mine, list):
+        return parts[-1]
+    return {site: a for part in parts for site, a in part.items()}
+
+
+def main(path, out, steps, save_to, *others):
     runs = {"delayed": run(path, steps, save_to=save_to),
-            "control": run(path, steps, roll_over_dp=False),
-            "zero3": run(zero3_path, steps)}
+            "control": run(path, steps, skip="dp")}
+    runs.update({name: run(other, steps) for name, other in zip(("zero3", "tp2", "pp2"),
+                                                                 others)})
+    runs["tp2 control"] = run(others[1], 1, skip="tp")
     if torch.distributed.get_rank() == 0:
         torch.save(runs, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
