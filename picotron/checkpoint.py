@@ -11,10 +11,11 @@ A checkpoint is a directory `<save_dir>/step_000100/` holding
   scalar state (the step count) in the metadata: keyed by name, not by position, so a later
   layout can read it.
 - `rng-rank{R}.safetensors`: the Python, torch and CUDA RNG states of rank R, as tensors and
-  JSON: nothing in a checkpoint is a pickle; under training.fp8="tensorwise_delayed" also the
-  rank's FP8 amaxes (speed/fp8_delayed.py). Both are restored only in the same layout.
+  JSON: nothing in a checkpoint is a pickle; restored only in the same layout.
 - `state.json`, written last: step, tokens seen, data position, the config, the layout, the
-  changes accepted at earlier resumes, a sha256 of every other file, and of itself.
+  changes accepted at earlier resumes, under training.fp8="tensorwise_delayed" the FP8
+  amaxes by site (speed/fp8_delayed.py, for any layout), a sha256 of every other file, and
+  of itself.
 
 Saving (picotron/checkpoint_write.py, picotron/async_save.py) is atomic: everything goes into
 `<dir>.tmp`, renamed to `<dir>` once complete, then `<save_dir>/latest` names it.
@@ -244,8 +245,7 @@ def _read_rng(path: str) -> dict:
     try:
         with safe_open(path, "pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
-            meta = f.metadata() or {}
-            python = json.loads(meta["python"])
+            python = json.loads((f.metadata() or {})["python"])
         rng["python"] = (python[0], tuple(python[1]), python[2])
     except Exception as e:     # verified, so only a file changed since: name it
         raise CheckpointError(f"{path} is not a readable RNG state ({type(e).__name__}: {e})"

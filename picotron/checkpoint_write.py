@@ -104,10 +104,9 @@ def _rng_shard(pgm) -> dict:
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_initialized():     # a CPU run never starts CUDA (not even to ask)
         tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    extra = {"python": [version, list(words), gauss]}
     return {f"rng-rank{pgm.global_rank}.safetensors": (
         tensors, {k: {"full_shape": list(v.shape), "bounds": [[0, len(v)]]}
-                  for k, v in tensors.items()}, extra)}
+                  for k, v in tensors.items()}, {"python": [version, list(words), gauss]})}
 
 
 def _fp8_amaxes(model, config, pgm):

@@ -272,6 +272,7 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
                   out=out and (None, qt_out, s_out))[1]
         return q, qt, scale
     (N, K), (bm, bk, warps) = x.shape, _tile("cast" if record is None else "cast_recording", x)
+    slots, slot_stride = record_slots(record)
     if out is not None:
         q, qt, scale = out
     else:
@@ -283,7 +284,7 @@ def cast(x, amax_, fp8_dtype, scaling: int, rows: bool = True, transposed: bool 
         x, amax_, x if q is None else q, x if qt is None else qt, scale,
         amax_ if record is None else record, N, K, x.stride(0), SCALING=scaling,
         WRITE_Q=rows, WRITE_QT=transposed, RECORD=record is not None,
-        SLOTS=record_slots(record)[0], SLOT_STRIDE=record_slots(record)[1],
+        SLOTS=slots, SLOT_STRIDE=slot_stride,
         EXACT_ROUND=not x.is_cuda,
         FP8_MAX=fp8_max, MANTISSA=mantissa, MIN_EXP=min_exp, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=warps)

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 # Each site's `seen` is SLOTS int32 places, SLOT_STRIDE apart (128 bytes: one cache line each),
-# and a cast kernel's program maxes into the one its grid index picks: tens of thousands of
-# programs' atomics on one address queue behind each other (measured on an H200: 39 us of
-# the 323 us SwiGLU backward), on 32 they do not. The roll takes the max over them.
+# and a cast kernel's program maxes into the one its grid index picks, so that no address
+# takes the atomics of tens of thousands of programs; the roll takes the max over them. (On
+# an H200 at SmolLM-360M's sizes it measured no faster than one address: bench/NOTES.md.)
 SLOTS, SLOT_STRIDE = 32, 32
 # A site's name: its projection's (or fused block's) module name, then ".x" for its input
 # (the SwiGLU's h is the down projection's) or GRADIENT for its output gradient dy
@@ -92,7 +92,7 @@ class AmaxLedger:
     def __init__(self, groups=()):
         self.names, self.groups = [], [g for g in groups if g is not None]
         self.scale_amax = self.seen = None
-        self.calibrating, self.roll_pending = True, False
+        self.calibrating = True
         self.watched, self.version = None, None
 
     def site(self, name: str) -> Site:
@@ -118,22 +118,28 @@ class AmaxLedger:
 
     def before_forward(self):
         version = self.watched.weight._version
-        if self.roll_pending or (self.version is not None and version != self.version):
+        if self.version is not None and version != self.version:
             self.roll()
-        self.version, self.roll_pending = version, False
+        self.version = version
 
     def roll(self):
         """A_s = the global max of what site s saw this step; seen = 0; calibration over."""
         if self.seen is None:
             return                                          # nothing was cast yet
+        self.scale_amax.copy_(self._next_scale_amax())
+        self.seen.zero_()
+        self.calibrating = False
+
+    def _next_scale_amax(self):
+        """(S,) fp32: what the roll sets A_s to, the global max of what site s saw this step
+        (all-reduced over the ledger's groups: collective), or A_s itself where it saw only
+        zeros."""
         seen = self.seen_amaxes().view(torch.float32)
         for group in self.groups:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
         # != 0, not > 0: a NaN amax stays, so a run that went NaN shows it
-        self.scale_amax.copy_(torch.where(seen != 0, seen, self.scale_amax))
-        self.seen.zero_()
-        self.calibrating = False
+        return torch.where(seen != 0, seen, self.scale_amax)
 
     def seen_amaxes(self):
         """(S,) int32: each site's largest |value| since the last roll, as fp32 bits (the max
@@ -152,11 +158,7 @@ class AmaxLedger:
         roll is; {} before any cast."""
         if self.seen is None:
             return {}
-        seen = self.seen_amaxes().view(torch.float32)
-        for group in self.groups:
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-        return dict(zip(self.names, torch.where(seen != 0, seen, self.scale_amax).tolist()))
+        return dict(zip(self.names, self._next_scale_amax().tolist()))
 
     def load_amaxes(self, amaxes: dict, device, dy_ratio: float = 1.0) -> bool:
         """Take a checkpoint's `rolled_amaxes` (saved by any layout: the names are the
@@ -173,5 +175,5 @@ class AmaxLedger:
             [amaxes[n] * (dy_ratio if n.endswith(GRADIENT) else 1.0) for n in self.names],
             dtype=torch.float32))
         seen.zero_()
-        self.calibrating, self.roll_pending = False, False
+        self.calibrating = False
         return True

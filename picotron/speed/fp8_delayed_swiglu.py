@@ -135,10 +135,10 @@ def swiglu_fp8(gu2, amax, record):
     scale = torch.empty((), dtype=torch.float32, device=gu2.device)
     if n > 0:
         grid, tile = _grid("forward", gu2, n, i)
+        slots, slot_stride = record_slots(record)
         _swiglu_fwd_fp8[grid](gu2, q, amax, scale, amax if record is None else record, n, i,
-                              gu2.stride(0), RECORD=record is not None,
-                              SLOTS=record_slots(record)[0],
-                              SLOT_STRIDE=record_slots(record)[1],
+                              gu2.stride(0), RECORD=record is not None, SLOTS=slots,
+                              SLOT_STRIDE=slot_stride,
                               EXACT_ROUND=not gu2.is_cuda, FP8_MAX=FORMATS[E4M3][0],
                               MANTISSA=FORMATS[E4M3][1], MIN_EXP=FORMATS[E4M3][2], **tile)
     return q, scale
@@ -155,9 +155,10 @@ def swiglu_backward_fp8(dh2, gu2, dgu_amax, record, h_amax):
     g_s, h_s = (torch.empty((), dtype=torch.float32, device=gu2.device) for _ in range(2))
     if n > 0:
         grid, tile = _grid("backward", gu2, n, i)
+        slots, slot_stride = record_slots(record)
         _swiglu_bwd_fp8[grid](dh2, gu2, q, qt, ht, dgu_amax, h_amax, g_s, h_s, record, n, i,
-                              dh2.stride(0), gu2.stride(0), SLOTS=record_slots(record)[0],
-                              SLOT_STRIDE=record_slots(record)[1], EXACT_ROUND=not gu2.is_cuda,
+                              dh2.stride(0), gu2.stride(0), SLOTS=slots,
+                              SLOT_STRIDE=slot_stride, EXACT_ROUND=not gu2.is_cuda,
                               G_MAX=FORMATS[E5M2][0], G_MANTISSA=FORMATS[E5M2][1],
                               G_MIN_EXP=FORMATS[E5M2][2], H_MAX=FORMATS[E4M3][0],
                               H_MANTISSA=FORMATS[E4M3][1], H_MIN_EXP=FORMATS[E4M3][2], **tile)

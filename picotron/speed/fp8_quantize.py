@@ -51,9 +51,9 @@ def quantize(x, fp8_dtype, scaling: str, group=None, rows: bool = True,
     `amax`: one computed before (`amax_of`), to cast x again with the same scale, or the
     delayed scale's (fp8_delayed.py). `record` (tensor scaling): int32 bits (a scalar, or a
     delayed site's slots) that also receive max |x| (this rank's, as fp32 bits, by atomic
-    max), or None. `out`: (q, q^T,
-    scale) to write into, as shaped here (None where not asked for): a weight's FP8 copies
-    that a captured CUDA graph reads (fp8_weights.py), or None for new tensors."""
+    max), or None. `out`: (q, q^T, scale) to write into, as shaped here (None where not asked
+    for): a weight's FP8 copies that a captured CUDA graph reads (fp8_weights.py), or None
+    for new tensors."""
     _check(scaling, rows, transposed)
     assert record is None or scaling == "tensor", "amaxes are recorded per tensor"
     if not use_kernels(x):

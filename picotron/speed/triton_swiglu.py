@@ -86,9 +86,8 @@ def _amax_into(amax_ptr, v):
 @triton.jit
 def _amax_into_slot(slots_ptr, v, SLOTS: tl.constexpr, STRIDE: tl.constexpr):
     """_amax_into one of SLOTS int32 places STRIDE apart, picked by the program's first grid
-    index (a reader takes the max over them): tens of thousands of programs maxing into one
-    address wait for each other (an H200 spent 39 of a 323 us kernel on it), apart they do
-    not. SLOTS = 1 is one address."""
+    index (a reader takes the max over them), so that no one address takes every program's
+    atomic (fp8_delayed.SLOTS). SLOTS = 1 is one address."""
     _amax_into(slots_ptr + (tl.program_id(0) % SLOTS) * STRIDE, v)
 
 
