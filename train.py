@@ -109,7 +109,7 @@ def build_training(config, pgm, device):
     model = build_model(config, pgm, device)           # the textbook model, axes applied
     loss_fn = build_loss(pgm)                          # vocab-parallel when tp shards logits
     model, loss_fn = apply_speed(model, loss_fn, config, pgm.tp_group,    # kernels, fp8, ...
-                                 pgm.cp_dp_group)
+                                 pgm.cp_dp_group, pgm.cp_group)
     if config.distributed.zero_stage == 3:    # parameters drawn as shards, gathered per layer
         grads = ShardedParams(model, pgm, config, device)
         if config.checkpoint.init_from:      # whole while the weights load, then shards again

@@ -145,10 +145,11 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     micro-batches: the same amaxes after every step, losses and final weights to fp32
     summation order; and so ZeRO-3 dp2 with accumulation (two one-sample micro-batches a
     rank: its gathers must not look like a weight change, which would roll between
-    micro-batches) against one process accumulating four, and tp2 and pp2 (amaxes and
-    losses: their ranks hold parts of the weights). The controls, whose roll skips the
-    data-parallel or the tensor-parallel group, keep each rank's own amaxes and must
-    differ. dp2's checkpoint after step 2 resumes in one process with the amaxes that run
+    micro-batches) against one process accumulating four, tp2 and pp2 (amaxes and losses:
+    their ranks hold parts of the weights), and cp2 (its ranks hold chunks of each sequence:
+    the first step's casts scale by the whole sequence's amax). The controls, whose roll skips
+    the data-parallel or the tensor-parallel group, or whose first step scales each cp chunk
+    by its own amax, must differ. dp2's checkpoint after step 2 resumes in one process with the amaxes that run
     rolled there (its output gradients' halved), and trains on like it."""
     dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + TINY)
     zero3 = write_config(tmp_path, "zero3", ["--dp", "2", "--zero_stage", "3"] + TINY
@@ -156,21 +157,23 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     one = write_config(tmp_path, "one", ["--grad_acc_steps", "2"] + TINY)
     one_by_1 = write_config(tmp_path, "one_by_1", TINY + ["--mbs", "1", "--grad_acc_steps",
                                                             "4"])
-    tp2, pp2 = (write_config(tmp_path, axis, [f"--{axis[:2]}", "2", "--grad_acc_steps", "2"]
-                             + TINY) for axis in ("tp2", "pp2"))
+    tp2, pp2, cp2 = (write_config(tmp_path, axis, [f"--{axis[:2]}", "2", "--grad_acc_steps",
+                                                   "2"] + TINY)
+                     for axis in ("tp2", "pp2", "cp2"))
     out, root = str(tmp_path / "dp2.pt"), str(tmp_path / "dp2_ckpt")
     launch_script(os.path.join(ROOT, "tests", "workers", "fp8_delayed_worker.py"), 2,
-                  [dp2, out, STEPS, root, zero3, tp2, pp2])
+                  [dp2, out, STEPS, root, zero3, tp2, pp2, cp2])
     runs = torch.load(out)
     ref = reference_run(one)
     # (reference, dy over one process's, steps compared): each rank's loss is the mean over
     # its own tokens, the gradients averaged over dp, so dp2's dy, and its scale, are 2x one
-    # process's (a power of two: the same FP8 values); tp and pp ranks see one process's dy.
+    # process's (a power of two: the same FP8 values), cp2's too (each rank's loss is the
+    # mean over its chunk's tokens); tp and pp ranks see one process's dy.
     # tp2: the first roll and the two steps it feeds; after that the fp32 summation order of
     # the row-parallel all-reduce, moved onto the FP8 grid wherever a value sits at a
     # rounding boundary, grows (0.3% in some dy amaxes after step 2), not bounded here
     layouts = {"delayed": (ref, 2, STEPS), "zero3": (reference_run(one_by_1), 2, STEPS),
-               "tp2": (ref, 1, 2), "pp2": (ref, 1, STEPS)}
+               "tp2": (ref, 1, 2), "pp2": (ref, 1, STEPS), "cp2": (ref, 2, STEPS)}
     for layout, (want_run, dy, steps) in layouts.items():
         assert len(want_run["amaxes"][0]) >= 8         # x and dy of each projection, 2 layers
         for step, (got, want) in enumerate(zip(runs[layout]["amaxes"][:steps - 1],
@@ -183,7 +186,8 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
                                                                rel=RTOL), layout
         for name, w in want_run["weights"].items() if runs[layout]["weights"] else ():
             torch.testing.assert_close(runs[layout]["weights"][name], w, rtol=RTOL, atol=RTOL)
-    for control in ("control", "tp2 control"):     # a roll that leaves out dp, or tp
+    # a roll that leaves out dp, or tp; a first step that scales cp's chunks apart
+    for control in ("control", "tp2 control", "cp2 control"):
         amaxes = runs[control]["amaxes"][0]
         assert any(abs(amaxes[s] - a) > 1e-3 * a for s, a in ref["amaxes"][0].items()
                    if s.endswith(".x")), control

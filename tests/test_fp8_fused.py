@@ -216,3 +216,34 @@ def test_fp8_only_swiglu_is_the_unfused_delayed_path(monkeypatch):
     assert ran == ["swiglu_fp8", "swiglu_backward_fp8"] * 2, ran
     for i, (ref, got) in enumerate(zip(*results)):
         assert torch.equal(got, ref), f"output {i}"
+
+
+def test_a_cp_ranks_first_step_scales_by_the_whole_sequence(monkeypatch):
+    """"tensorwise_delayed" under context parallelism: the calibrating step's casts (x, h, dy
+    and d(gu), fused kernels on) scale by the amax of the whole sequence, here a stand-in cp
+    group whose other chunk's amaxes are 3x this rank's (its all-reduce multiplies by 3).
+    The same step cast with 3x the amaxes this rank recorded (the delayed path): bitwise
+    equal. An h cast from the SwiGLU kernel's own amax, or casts by the chunk's amaxes, fail."""
+    import torch.distributed as dist
+    monkeypatch.setattr(fp8_quantize, "use_kernels", lambda t: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.mul_(3.0))
+    mlp = fp8_mlp("tensorwise_delayed", dtype=torch.bfloat16)
+    ledger, params = mlp.fp8_sites[0].ledger, list(mlp.parameters())
+    ledger.sequence_group = "the cp group"
+    g = torch.Generator().manual_seed(5)
+    x, dy = (torch.randn(2, 16, 64, generator=g).bfloat16().to(DEVICE) for _ in range(2))
+    runs = []
+    for _ in range(2):
+        xs = x.clone().requires_grad_()
+        for p in params:
+            p.grad = None
+        y = mlp(xs)
+        y.backward(dy)
+        runs.append([y.detach(), xs.grad, *(p.grad.clone() for p in params)])
+        if ledger.calibrating:          # the next run: this rank's own amaxes, times 3
+            ledger.roll()
+            ledger.scale_amax.mul_(3.0)
+    assert not ledger.calibrating and len(ledger.names) >= 4
+    for i, (calibrated, delayed) in enumerate(zip(*runs)):
+        assert torch.equal(calibrated, delayed), f"output {i}"

@@ -29,10 +29,11 @@ from picotron.speed.loss import apply_fused_loss
 from picotron.speed.recompute import apply_activation_checkpointing
 
 
-def apply_speed(model, loss_fn, config, tp_group=None, dp_group=None):
+def apply_speed(model, loss_fn, config, tp_group=None, dp_group=None, cp_group=None):
     """(model, loss_fn) with the fast paths the config asks for, in place. `tp_group`: the
     tensor-parallel group (FP8 scales of sharded projections are all-reduced over it);
-    `dp_group`: the data x context group (delayed FP8 scales are all-reduced over it too).
+    `dp_group`: the data x context group (delayed FP8 scales are all-reduced over it too);
+    `cp_group`: the context-parallel one (delayed FP8's first step scales over it).
 
     Order: kernels first (a class swap, which recomputation must see: it binds the layer's
     forward, and "selective" with our kernels is a flag on their MLP), then FP8 (a class swap
@@ -41,7 +42,7 @@ def apply_speed(model, loss_fn, config, tp_group=None, dp_group=None):
     "auto" options are resolved first, if the config was not loaded by config_from_dict."""
     resolve_auto(config)
     apply_kernels(model, config)
-    apply_fp8(model, config, tp_group, dp_group)
+    apply_fp8(model, config, tp_group, dp_group, cp_group)
     apply_activation_checkpointing(model, config)
     model, loss_fn = apply_fused_loss(model, loss_fn, config)
     if config.training.compile:     # in place: parameter names stay those of the layout

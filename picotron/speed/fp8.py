@@ -48,7 +48,9 @@ it holds, as one GPU scales each micro-batch it runs. Under dp and pp those are 
 micro-batches; under cp a rank holds a chunk of each sequence, and its tensor (and, for dW,
 per-column) amaxes span that chunk only, so its activations round onto a grid at most as
 coarse as one GPU's: other FP8 roundings of the same values, not an all-reduce on the
-critical path of every cast.
+critical path of every cast. "tensorwise_delayed" pays that all-reduce on its first step
+only (fp8_delayed.Site.whole_sequence); its later steps scale by amaxes rolled over cp x dp,
+so under cp it computes one GPU's scales throughout.
 
 Casting: an amax and a division op by op read and write the whole tensor several times, which
 costs more than FP8's faster GEMM saves (bench/NOTES.md). On a GPU the casts are our Triton
@@ -117,13 +119,13 @@ def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None):
 def tensor_amax(t, site, group, amax=None):
     """(amax to scale t by, where to record t's amax): under delayed scaling the site's
     amax from the last step (calibrating: t's own, all-reduced over `group`, or the given
-    `amax`, which the kernel that wrote t took), else `amax` as given (None: quantize takes
-    t's own)."""
+    `amax`, which the kernel that wrote t took; either over the whole sequence under cp),
+    else `amax` as given (None: quantize takes t's own)."""
     if site is None:
         return amax, None
     if site.calibrating:
-        return (amax_of(t, "tensor", group) if amax is None else amax), \
-            site.record_into(t.device)
+        own = amax_of(t, "tensor", group) if amax is None else amax
+        return site.whole_sequence(own), site.record_into(t.device)
     return site.scale_amax(t.device), site.record_into(t.device)
 
 

@@ -17,7 +17,9 @@ same); bench/fp8_convergence.py is the check that training does not notice.
 The weights keep their exact per-step scales (fp8_weights.py): they are cast once a step.
 
 The first step has no amaxes yet. It calibrates: every cast takes its own amax first, as
-"tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too.
+"tensorwise" does (so step 1 equals a "tensorwise" run's step 1), and records it too. Under
+context parallelism that amax is all-reduced over the cp group (`whole_sequence`) before the
+cast: one process takes it over the whole sequence, of which a rank holds a chunk.
 
 Checkpoints: a save takes the amaxes the next roll would set (`rolled_amaxes`: the same
 all-reduce, the ledger left as it is) and keeps them by site name in state.json, one set
@@ -68,6 +70,14 @@ class Site:
     def calibrating(self) -> bool:
         return self.ledger.calibrating
 
+    def whole_sequence(self, amax):
+        """Calibrating: this rank's () fp32 `amax` made its micro-batch's, all-reduced (MAX, in
+        place) over the ranks holding the sequence's other chunks (context parallelism)."""
+        group = self.ledger.sequence_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
     def scale_amax(self, device):
         return self.ledger.buffers(device)[0][self.index]                       # () fp32
 
@@ -87,10 +97,12 @@ def for_this_call(sites):
 
 class AmaxLedger:
     """Every delayed site of a model (this rank's layers): their amaxes in two flat buffers,
-    and the roll between steps (module docstring)."""
+    and the roll between steps (module docstring). `groups`: what the roll all-reduces over;
+    `sequence_group`: the context-parallel group, which the calibrating casts' amaxes span."""
 
-    def __init__(self, groups=()):
+    def __init__(self, groups=(), sequence_group=None):
         self.names, self.groups = [], [g for g in groups if g is not None]
+        self.sequence_group = sequence_group
         self.scale_amax = self.seen = None
         self.calibrating = True
         self.watched, self.version = None, None

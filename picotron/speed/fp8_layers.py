@@ -129,18 +129,20 @@ def fp8_branch_classes(kernels: str) -> dict:
     return FP8_CLASSES
 
 
-def apply_fp8(model, config, tp_group=None, dp_group=None):
+def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
     """Swap, in place, the projections of every decoder layer this rank holds for their FP8
     subclasses (`training.fp8`; nothing when "none"). `tp_group`: the tensor-parallel group the
     sharded projections' scales are all-reduced over; under "tensorwise_delayed" the amaxes
-    are also all-reduced over `dp_group` (the data x context group) between steps, and the
-    model gets `fp8_ledger`, their fp8_delayed.AmaxLedger."""
+    are also all-reduced over `dp_group` (the data x context group) between steps, the first
+    step's over `cp_group` (the context-parallel one) at each cast, and the model gets
+    `fp8_ledger`, their fp8_delayed.AmaxLedger."""
     recipe = config.training.fp8
     if recipe == "none":
         return model
     check_fp8_device(config)
     branches = fp8_branch_classes(config.model.kernels)
-    ledger = AmaxLedger([tp_group, dp_group]) if recipe == "tensorwise_delayed" else None
+    ledger = (AmaxLedger([tp_group, dp_group], sequence_group=cp_group)
+              if recipe == "tensorwise_delayed" else None)
     for key, layer in model.layers.items():
         for branch_name, branch in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
             name = f"layers.{key}.{branch_name}"

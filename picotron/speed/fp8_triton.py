@@ -70,7 +70,8 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         if ctx.fp8_only:
             h_amax = h_site.scale_amax(gu.device)
             h_q, h_s = swiglu_fp8(_rows(gu), h_amax, h_site.record_into(gu.device))
-        elif fusable(in_group, gu) and not delayed:   # cast from the SwiGLU kernel's amax
+        elif fusable(in_group, gu) and not delayed and _own_amax(h_site):
+            # cast from the SwiGLU kernel's amax
             h_q, h_s, h_amax = swiglu_cast(_rows(gu), recipe)
             if h_site is not None:                    # calibrating: record that amax
                 _record(h_site, h_amax)
@@ -121,6 +122,15 @@ class Fp8SwiGLULinear(torch.autograd.Function):
             dw = weight_grad(dy2, dyt, ht, h, recipe, ctx.w_dtype)        # (O, I)
         ctx.casts = ctx.handoff = ctx.dy_site = ctx.dgu_site = None
         return dgu, None, None, None, None, None, dw
+
+
+def _own_amax(site) -> bool:
+    """Whether h's calibrating cast may scale by this rank's amax alone: not under context
+    parallelism, where it spans the sequence's other chunks (fp8_delayed.Site.whole_sequence:
+    an all-reduce between the amax and the cast, which the fused SwiGLU cast has no room for;
+    the first step only)."""
+    return site is None or site.ledger.sequence_group is None or \
+        torch.distributed.get_world_size(site.ledger.sequence_group) == 1
 
 
 def _record(site, amax):

@@ -1,13 +1,14 @@
 """Worker for test_fp8_delayed.py: training.fp8="tensorwise_delayed" at dp2 on 2 gloo ranks.
 
-argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the ZeRO-3 dp2, tp2
-and pp2 configs. Trains the dp2 config twice through train.py's build and step: as the
+argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the ZeRO-3 dp2, tp2,
+pp2 and cp2 configs. Trains the dp2 config twice through train.py's build and step: as the
 recipe is (saving a checkpoint after step 2), and as a control whose amax roll skips the
 data-parallel group (each rank's scales from its own micro-batches only); then the others,
-and a tp2 control whose roll skips the tensor-parallel group. FP8 is set after loading: the config refuses FP8 on CPU (no FP8
-tensor cores), and the math is the GPU's. Rank 0 saves, per run, the losses, the delayed
-amaxes after each step, and the final weights. `run` also resumes a checkpoint (the test
-calls it in one process)."""
+a tp2 control whose roll skips the tensor-parallel group, and a cp2 control whose first
+step scales each rank's chunk of the sequence by its own amax. FP8 is set after loading: the
+config refuses FP8 on CPU (no FP8 tensor cores), and the math is the GPU's. Rank 0 saves,
+per run, the losses, the delayed amaxes after each step, and the final weights. `run` also
+resumes a checkpoint (the test calls it in one process)."""
 import os
 import sys
 
@@ -21,7 +22,8 @@ from picotron.data import StepBatches, build_train_val  # noqa: E402
 
 def run(path, steps, skip=None, save_to=None, resume=None):
     """{"losses", "amaxes" (one {site: A_s} per step), "weights"} of the steps up to `steps`;
-    `skip`: "dp" or "tp", a control whose roll leaves out that group; `save_to`: a
+    `skip`: "dp" or "tp", a control whose roll leaves out that group, or "cp", one whose
+    calibrating casts scale by the rank's chunk of the sequence alone; `save_to`: a
     checkpoint folder, saved after step 2; `resume`: a checkpoint to start from (the result
     then has "loaded": the amaxes the ledger took from it)."""
     from checkpoint_helpers import step_state
@@ -30,7 +32,9 @@ def run(path, steps, skip=None, save_to=None, resume=None):
     config.training.fp8 = "tensorwise_delayed"
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
     ledger, first, out = model.fp8_ledger, 0, {}
-    if skip is not None:
+    if skip == "cp":                    # the first step's casts scale by the chunk's amax
+        ledger.sequence_group = None
+    elif skip is not None:
         left_out = pgm.cp_dp_group if skip == "dp" else pgm.tp_group
         ledger.groups = [g for g in ledger.groups if g is not left_out]
     if resume is not None:
@@ -69,9 +73,10 @@ def every_stage(mine):
 def main(path, out, steps, save_to, *others):
     runs = {"delayed": run(path, steps, save_to=save_to),
             "control": run(path, steps, skip="dp")}
-    runs.update({name: run(other, steps) for name, other in zip(("zero3", "tp2", "pp2"),
+    runs.update({name: run(other, steps) for name, other in zip(("zero3", "tp2", "pp2", "cp2"),
                                                                  others)})
     runs["tp2 control"] = run(others[1], 1, skip="tp")
+    runs["cp2 control"] = run(others[3], 1, skip="cp")
     if torch.distributed.get_rank() == 0:
         torch.save(runs, out)
 
