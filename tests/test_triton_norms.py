@@ -118,3 +118,37 @@ def test_backward_leaves_dy_alone(norm):
     assert torch.equal(dy, before)
     assert dx.data_ptr() != dy.data_ptr()
 
+
+
+ADD_NORMS = {"rms_norm": triton_norms.add_rms_norm, "layer_norm": triton_norms.add_layer_norm}
+
+
+def run_residual(fn, x, delta, w, ds, dy):
+    """(s, y) = fn(x, delta, w) and the gradients of <s, ds> + <y, dy> w.r.t. x, delta and w."""
+    x, delta, w = (t.detach().requires_grad_() for t in (x, delta, w))
+    s, y = fn(x, delta, w, EPS)
+    torch.autograd.backward((s, y), (ds, dy))
+    return s.detach(), y.detach(), x.grad, delta.grad, w.grad
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_residual_form_matches_the_add_then_the_reference(norm, dtype, shape):
+    """add_rms_norm / add_layer_norm against `s = x + delta` then the reference norm: s, the
+    norm, the gradient of x and of delta (the residual's ds plus the norm's, one tensor for
+    both) and of the weight, at the tolerances above."""
+    torch.manual_seed(0)
+    x, w, dy = inputs(shape, dtype, dtype)
+    delta, ds = (torch.randn(shape, device=DEVICE).to(dtype) for _ in range(2))
+    ref = NORMS[norm][1]
+
+    def textbook(x, delta, w, eps):
+        s = x + delta
+        return s, ref(s, w, eps)
+    got = run_residual(ADD_NORMS[norm], x, delta, w, ds, dy)
+    want = run_residual(textbook, x, delta, w, ds, dy)
+    exact = run_residual(textbook, *(t.double() for t in (x, delta, w, ds, dy)))
+    for name, g, r, e in zip(("s", "y", "dx", "ddelta", "dw"), got, want, exact):
+        compare(name, g, r, e, bf16=dtype == torch.bfloat16)
+    assert torch.equal(got[2], got[3])

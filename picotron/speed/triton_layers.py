@@ -4,6 +4,8 @@ differs (speed/kernels.py swaps each module's class for its subclass here).
 
     TritonRMSNorm, TritonLayerNorm   triton_norms.py: one pass each way, a tiled weight-gradient
                                      sum, fp32 statistics, the reference's casting
+    TritonDecoderLayer               the residual add before the MLP's norm done by that norm's
+                                     kernel (`add_norm`), its gradient added in its backward
     TritonAttention                  one matmul for q, k and v (fused_linear.py), then RoPE
                                      straight out of the packed rows into contiguous q, k, v
                                      (triton_rope.py)
@@ -24,9 +26,9 @@ rows and its slice of gate and up. What fusing buys is measured in bench/NOTES.m
 """
 import torch
 
-from picotron.model import Attention, LayerNorm, MLP, RMSNorm
+from picotron.model import Attention, DecoderLayer, LayerNorm, MLP, RMSNorm
 from picotron.speed.fused_linear import fused_linear, stacked
-from picotron.speed.triton_norms import layer_norm, rms_norm
+from picotron.speed.triton_norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from picotron.speed.triton_rope import qkv_rope
 from picotron.speed.triton_swiglu import (_may_overwrite, _rows, _swiglu_backward,
                                           _swiglu_forward, swiglu_linear, swiglu_packed)
@@ -38,10 +40,31 @@ class TritonRMSNorm(RMSNorm):
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
 
+    def add_norm(self, x, delta):
+        """(x + delta, self(x + delta)) in one kernel each way (no module hooks run)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class TritonLayerNorm(LayerNorm):
     def forward(self, x):
         return layer_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x, delta):
+        return add_layer_norm(x, delta, self.weight, self.eps)
+
+
+class TritonDecoderLayer(DecoderLayer):
+    """DecoderLayer.forward with `x = x + attn` and the MLP's norm of it as one op: the sum
+    (B, T, C) is written once and never read back, and its gradient is added inside the
+    norm's backward (triton_norms.py). The textbook forward where that norm is hooked (tensor
+    parallelism's entry into the MLP block, unless tp_comm_overlap) or absent (PaLM)."""
+
+    def forward(self, x, cos, sin, position_ids):
+        norm = self.post_attention_layernorm
+        if not hasattr(norm, "add_norm") or norm._forward_hooks or norm._forward_pre_hooks:
+            return super().forward(x, cos, sin, position_ids)
+        x, h = norm.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, position_ids))
+        return x + self.mlp(h)
 
 
 class TritonAttention(Attention):
@@ -120,4 +143,4 @@ class RingSwiGLULinear(torch.autograd.Function):
 
 FAST_CLASSES = {RMSNorm: TritonRMSNorm, LayerNorm: TritonLayerNorm, Attention: TritonAttention,
                 MLP: TritonMLP, OverlapAttention: TritonOverlapAttention,
-                OverlapMLP: TritonOverlapMLP}
+                OverlapMLP: TritonOverlapMLP, DecoderLayer: TritonDecoderLayer}

@@ -15,6 +15,11 @@ What they save:
 Measured on an H200 (bench/norm_tiles.py): at 360M's (32768, 960) the backward moves its
 bytes at 83% of the copy rate (54 us a call; liger's took 220), the forward at 83-90%.
 
+The residual form (add_rms_norm, add_layer_norm) also takes the decoder layer's residual add
+before its second norm, s = x + delta, and returns s with norm(s): forward, s is written once
+and never read back; backward, the residual stream's gradient ds is added inside the norm's
+backward instead of by autograd. Three passes over (N, C) fewer a layer, and two launches.
+
 Numerics (as the references): statistics in fp32. RMSNorm uses Llama's casting, (x * rstd)
 rounded to x's dtype THEN times the weight, so its output has dtype promote(x, weight).
 LayerNorm computes in fp32 with the weight upcast and returns x's dtype. Gradients are
@@ -30,15 +35,22 @@ MAX_C = 8192   # one row must fit in one tile of registers
 
 
 @triton.jit
-def _norm_fwd(x_ptr, w_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, C, x_stride, eps,
-              RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One program normalises BLOCK_M rows: x (BLOCK_M, BLOCK_C) -> y, rstd (and mean)."""
+def _norm_fwd(x_ptr, d_ptr, s_ptr, w_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, C, x_stride,
+              d_stride, eps, RMS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_C: tl.constexpr):
+    """One program normalises BLOCK_M rows: x (BLOCK_M, BLOCK_C) -> y, rstd (and mean).
+    RESIDUAL: the rows normalised are s = x + d, rounded to x's dtype as torch's add rounds
+    it, and s is stored too (the residual stream goes on from it)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_C)
     row_ok, col_ok = rows < n_rows, cols < C
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)   # row * stride can pass 2^31 elements
     x_in = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    if RESIDUAL:
+        d = tl.load(d_ptr + rows64[:, None] * d_stride + cols[None, :], mask=mask, other=0.0)
+        x_in = (x_in.to(tl.float32) + d.to(tl.float32)).to(x_in.dtype)
+        tl.store(s_ptr + rows64[:, None] * C + cols[None, :], x_in, mask=mask)
     x = x_in.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if RMS:
@@ -57,13 +69,16 @@ def _norm_fwd(x_ptr, w_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, C, x_stride, eps,
 
 
 @triton.jit
-def _norm_bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, mean_ptr, rstd_ptr, n_rows, C, x_stride,
-              dy_stride, RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _norm_bwd(x_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, mean_ptr, rstd_ptr, n_rows, C,
+              x_stride, dy_stride, ds_stride, RMS: tl.constexpr, RESIDUAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program p takes row blocks p, p + P, p + 2P, ... (P programs): for each, it writes dx
     (BLOCK_M, C) and adds sum_rows(dy * xhat) to its fp32 dweight partial, stored at the end
     as row p of dw (P, C). With g = dy * w and xhat the normalised x (fp32, per row):
       RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))
-      LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))"""
+      LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    RESIDUAL: x is s = x + d, whose output also received a gradient ds: dx + ds is written,
+    the gradient of both x and d, in one rounding (the reference rounds dx, then the sum)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < C
@@ -94,6 +109,9 @@ def _norm_bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, mean_ptr, rstd_ptr, n_rows, 
             dw += tl.sum(dy * xhat, axis=0)
             dx = rstd[:, None] * (g - (tl.sum(g, axis=1) / C)[:, None]
                                   - xhat * (tl.sum(g * xhat, axis=1) / C)[:, None])
+        if RESIDUAL:
+            dx += tl.load(ds_ptr + rows64[:, None] * ds_stride + cols[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=mask)
         start += tl.num_programs(0) * BLOCK_M
@@ -141,49 +159,73 @@ def _rows(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _norm_forward(x, weight, eps, rms):
-    """(y, saved): y = norm(x) as (N, C), and what the backward keeps: the rows of x, the
-    weight, fp32 mean and rstd per row."""
+def _norm_forward(x, delta, weight, eps, rms):
+    """(s, y, saved): y = norm(x) as (N, C), or with `delta` y = norm(s) and s = x + delta
+    (else None), and what the backward keeps: the rows normalised, the weight, fp32 mean and
+    rstd per row."""
     x2d, weight = _rows(x), weight.contiguous()
+    d2d = x2d if delta is None else _rows(delta)
     (N, C), dev = x2d.shape, x.device
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if rms else x.dtype
     y = torch.empty((N, C), dtype=out_dtype, device=dev)
+    s = None if delta is None else torch.empty((N, C), dtype=x.dtype, device=dev)
     rstd = torch.empty(N, dtype=torch.float32, device=dev)
     mean = rstd if rms else torch.empty(N, dtype=torch.float32, device=dev)  # RMS: unused
     BLOCK_C, BLOCK_M, num_warps = _tile(C)
     _norm_fwd[(triton.cdiv(N, BLOCK_M),)](
-        x2d, weight, y, mean, rstd, N, C, x2d.stride(0), eps, RMS=rms, BLOCK_M=BLOCK_M,
-        BLOCK_C=BLOCK_C, num_warps=num_warps)
-    return y, (x2d, weight, mean, rstd)
+        x2d, d2d, y if s is None else s, weight, y, mean, rstd, N, C, x2d.stride(0),
+        d2d.stride(0), eps, RMS=rms, RESIDUAL=s is not None, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
+        num_warps=num_warps)
+    return s, y, (x2d if s is None else s, weight, mean, rstd)
 
 
-def _norm_backward(saved, dy, rms):
-    """(dx, dweight): the gradients of <norm(x), dy> w.r.t. x and the weight."""
+def _norm_backward(saved, dy, ds, rms):
+    """(dx, dweight): the gradients of <norm(x), dy> w.r.t. x and the weight, plus `ds` in dx
+    when the input was the residual form's sum s (else None)."""
     x2d, weight, mean, rstd = saved
     dy2d = _rows(dy)
+    ds2d = dy2d if ds is None else _rows(ds)
     (N, C), dev = x2d.shape, x2d.device
     # a fresh dx, never dy's memory: an incoming gradient may be read elsewhere too
     dx = torch.empty((N, C), dtype=x2d.dtype, device=dev)
     BLOCK_C, BLOCK_M, num_warps = _tile(C, backward=True)
     programs = _programs(dev, num_warps, triton.cdiv(N, BLOCK_M))
     dw = torch.empty((programs, C), dtype=torch.float32, device=dev)   # every row written
-    _norm_bwd[(programs,)](x2d, weight, dy2d, dx, dw, mean, rstd, N, C, x2d.stride(0),
-                           dy2d.stride(0), RMS=rms, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
-                           num_warps=num_warps)
+    _norm_bwd[(programs,)](x2d, weight, dy2d, ds2d, dx, dw, mean, rstd, N, C, x2d.stride(0),
+                           dy2d.stride(0), ds2d.stride(0), RMS=rms, RESIDUAL=ds is not None,
+                           BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, num_warps=num_warps)
     return dx.view(dy.shape), dw.sum(0).to(weight.dtype)
 
 
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, rms):
-        y, saved = _norm_forward(x, weight, eps, rms)
+        _, y, saved = _norm_forward(x, None, weight, eps, rms)
         ctx.save_for_backward(*saved)
         ctx.rms = rms
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        return (*_norm_backward(ctx.saved_tensors, dy, ctx.rms), None, None)
+        return (*_norm_backward(ctx.saved_tensors, dy, None, ctx.rms), None, None)
+
+
+class _AddNorm(torch.autograd.Function):
+    """(s, y) = (x + delta, norm(x + delta)): a decoder layer's residual add and the norm that
+    reads its sum, one pass each way. Backward returns ds + d norm / ds to x and delta alike
+    (the add passes its gradient to both unchanged)."""
+
+    @staticmethod
+    def forward(ctx, x, delta, weight, eps, rms):
+        s, y, saved = _norm_forward(x, delta, weight, eps, rms)
+        ctx.save_for_backward(*saved)
+        ctx.rms = rms
+        return s.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        dx, dw = _norm_backward(ctx.saved_tensors, dy, ds, ctx.rms)
+        return dx, dx, dw, None, None
 
 
 def rms_norm(x, weight, eps: float):
@@ -194,3 +236,15 @@ def rms_norm(x, weight, eps: float):
 def layer_norm(x, weight, eps: float):
     """LayerNorm with a gain and no bias, as model.layer_norm, in one kernel each way."""
     return _Norm.apply(x, weight, eps, False)
+
+
+def add_rms_norm(x, delta, weight, eps: float):
+    """(x + delta, rms_norm(x + delta)), the residual add then model.rms_norm, in one kernel
+    each way."""
+    return _AddNorm.apply(x, delta, weight, eps, True)
+
+
+def add_layer_norm(x, delta, weight, eps: float):
+    """(x + delta, layer_norm(x + delta)), the residual add then model.layer_norm, in one
+    kernel each way."""
+    return _AddNorm.apply(x, delta, weight, eps, False)
