@@ -9,7 +9,7 @@ at most 4.6e-7 (a weight gradient of the tp = 4 PaLM model, torch kernels); the 
 ranks' partials in ring order, and the block's projections are one GEMM on stacked weights.
 
 Training (one launch of 4 ranks): with overlap, dp 2 x tp 2 (Llama, "full" recomputation on
-layer 0; and with ZeRO-3), tp 4 (PaLM-style, tied embeddings, "selective" recomputation),
+layer 0; with ZeRO-3; and with training.compile's compiled layers), tp 4 (PaLM-style, tied embeddings, "selective" recomputation),
 tp 2 x pp 2 (Llama) and tp 2 x cp 2 (PaLM-style), 5 steps each, against one process with the
 same global batch: loss and grad norm at every step within 1e-5 relative, final weights as
 tests/test_4d.py holds them (rtol 1e-5, atol 1e-5).
@@ -45,7 +45,9 @@ RUNS = [("dp2-tp2", "llama", ["--dp", "2", "--tp", "2", "--grad_acc_steps", "2"]
         ("dp2-tp2-zero3", "llama", ["--dp", "2", "--tp", "2", "--grad_acc_steps", "2",
                                     "--zero_stage", "3"], []),
         ("tp2-pp2", "llama", ["--tp", "2", "--pp", "2", "--grad_acc_steps", "4"], []),
-        ("tp2-cp2", "palm", ["--tp", "2", "--cp", "2", "--grad_acc_steps", "4"], [])]
+        ("tp2-cp2", "palm", ["--tp", "2", "--cp", "2", "--grad_acc_steps", "4"], []),
+        ("dp2-tp2-compile", "llama", ["--dp", "2", "--tp", "2", "--grad_acc_steps", "2"],
+         ["--set", "training.compile=true"])]
 LOSS_RTOL = 1e-5
 
 
