@@ -252,3 +252,20 @@ def test_tp2_scales_are_the_full_tensors():
     """Column- and row-parallel FP8 linears on 2 gloo ranks against one rank's FP8 linear:
     the same scales, so the same numbers up to fp32 summation order (the worker says more)."""
     launch_script(os.path.join(ROOT, "tests", "workers", "fp8_tp_worker.py"), 2)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe):
+    """y = x W^T asks the tensor cores for fast accumulation (fp8.FORWARD_FAST_ACCUM); dx and
+    dW, summed over more terms, for fp32 promotion throughout."""
+    calls, real = [], torch._scaled_mm
+
+    def spy(*args, use_fast_accum=False, **kwargs):
+        calls.append(use_fast_accum)
+        return real(*args, use_fast_accum=use_fast_accum, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    x, w = torch.randn(32, 64, requires_grad=True), torch.randn(48, 64, requires_grad=True)
+    y = fp8_linear(x, [w], recipe)
+    assert calls == [True]
+    y.backward(torch.randn_like(y))
+    assert calls == [True, False, False]

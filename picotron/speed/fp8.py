@@ -80,6 +80,10 @@ from picotron.speed.fp8_quantize import E4M3, E5M2, amax_of, quantize
 from picotron.speed.fp8_weights import one_matrix, weight_casts
 
 RECIPES = ("tensorwise", "tensorwise_delayed", "rowwise", "rowwise_bf16_dw")
+# The forward GEMM y = x W^T accumulates with the tensor cores' fast (less often promoted)
+# sums; the gradients' GEMMs, whose sums run over more terms (dW over every token), do not.
+# torchao's float8 training makes the same split. Measured in bench/NOTES.md.
+FORWARD_FAST_ACCUM = True
 
 
 class Recipe(NamedTuple):
@@ -99,16 +103,19 @@ def recipe_of(name: str) -> Recipe:
                   name == "tensorwise_delayed")
 
 
-def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None):
+def scaled_mm(a, a_scale, b, b_scale, out_dtype, out_shape=None, fast_accum=False):
     """(a * a_scale) @ (b * b_scale)^T for FP8 a (M, K), b (N, K), both row-major, scales () or
     per row, (M, 1) and (N, 1); fp32 accumulation, out (M, N) in out_dtype, or a fresh tensor
     of `out_shape` (..., N) written through its (M, N) view: not a view itself, so the packed
-    SwiGLU may write its gradient over it (triton_swiglu.py), as over fused_linear's output."""
+    SwiGLU may write its gradient over it (triton_swiglu.py), as over fused_linear's output.
+    `fast_accum`: Hopper's FP8 tensor cores keep partial sums in lower precision and promote
+    them to fp32 less often (FORWARD_FAST_ACCUM)."""
     if b_scale.dim():                       # per row of b: a (1, N) row of scales for its columns
         b_scale = b_scale.reshape(1, -1)
     out = None if out_shape is None else torch.empty(out_shape, dtype=out_dtype, device=a.device)
     y = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype,
-                         out=None if out is None else out.view(-1, b.shape[0]))
+                         out=None if out is None else out.view(-1, b.shape[0]),
+                         use_fast_accum=fast_accum)
     return y if out is None else out
 
 
@@ -187,7 +194,8 @@ class Fp8Linear(torch.autograd.Function):
                                     transposed=need_dw and not recipe.bf16_dw, site=x_site)
         casts = weight_casts(cache, weights, w, recipe.rowwise, in_group, out_group,
                              transposed=ctx.needs_input_grad[0])
-        y = scaled_mm(x_q, x_s, casts.w_q, casts.w_s, x.dtype, (*x.shape[:-1], w.shape[0]))
+        y = scaled_mm(x_q, x_s, casts.w_q, casts.w_s, x.dtype, (*x.shape[:-1], w.shape[0]),
+                      fast_accum=FORWARD_FAST_ACCUM)
         ctx.recipe, ctx.casts, ctx.out_group = recipe, casts, out_group
         ctx.grad_cast = grad_cast
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype

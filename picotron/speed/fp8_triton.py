@@ -20,8 +20,8 @@ amax pass of its own.
 """
 import torch
 
-from picotron.speed.fp8 import (E4M3, Recipe, cast_grad, fp8_linear, quantize, recipe_of,
-                                scaled_mm, tensor_amax, weight_grad)
+from picotron.speed.fp8 import (E4M3, FORWARD_FAST_ACCUM, Recipe, cast_grad, fp8_linear,
+                                quantize, recipe_of, scaled_mm, tensor_amax, weight_grad)
 from picotron.speed.fp8_fused import (GradCastHandoff, fusable, swiglu_backward_cast,
                                       swiglu_cast)
 from picotron.speed.fp8_delayed import for_this_call
@@ -83,7 +83,7 @@ class Fp8SwiGLULinear(torch.autograd.Function):
         ctx.recipe, ctx.casts, ctx.w_dtype = recipe, casts, weight.dtype
         ctx.save_for_backward(gu, h_amax, weight if cache is None else None)
         return scaled_mm(h_q, h_s, casts.w_q, casts.w_s, gu.dtype,
-                         (*gu.shape[:-1], weight.shape[0]))
+                         (*gu.shape[:-1], weight.shape[0]), fast_accum=FORWARD_FAST_ACCUM)
 
     @staticmethod
     def backward(ctx, dy):                                              # dy (..., O)
