@@ -269,3 +269,26 @@ def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe):
     assert calls == [True]
     y.backward(torch.randn_like(y))
     assert calls == [True, False, False]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_bf16_dw"])
+def test_a_compiled_fp8_layer_is_one_graph(recipe):
+    """training.compile traces each FP8 layer whole (fullgraph: a graph break raises), the
+    casts and GEMMs of both passes inside, and trains like the eager layer (fp32 op order).
+    The weights' casts made inside the autograd function change nothing after they are made
+    (fp8_weights.OneUseCasts): a WeightCasts object there broke the graph at every projection,
+    and dynamo then compiled each projection's forward apart, once per weight shape."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(1)
+        config = fp8_config(recipe)
+        model = apply_fp8(Decoder(config.model), config)
+        if compiled:
+            for layer in model.layers.values():
+                layer.compile(backend="aot_eager", fullgraph=True)
+        logits = model(ids)
+        logits.float().logsumexp(-1).mean().backward()
+        results.append([logits.detach()] + [p.grad for p in model.parameters()])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

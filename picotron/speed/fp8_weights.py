@@ -32,6 +32,8 @@ parameter, as much as the bf16 weights themselves (3.2 GB at SmolLM-1.7B's 1.6 B
 parameters), plus the scales (4 bytes per row, rowwise). Without the cache the same copies
 exist only while a layer runs; the cache trades that memory for 2 x grad_acc_steps casts.
 """
+from typing import NamedTuple
+
 from picotron.speed.fp8_quantize import E4M3, quantize
 from picotron.speed.fused_linear import stacked
 
@@ -135,9 +137,22 @@ class Fp8WeightCache:
         self.entry.cast_again(one_matrix(self.source[0]))
 
 
+class OneUseCasts(NamedTuple):
+    """W's forward cast for one use, without a cache; W^T is cast when backward asks. Nothing
+    in it changes after it is made, so that torch.compile traces it inside the autograd
+    function (a WeightCasts, which keeps W^T once cast, would break the graph there)."""
+    w_q: object
+    w_s: object
+    args: tuple                                     # (rowwise, in_group, out_group)
+
+    def transposed(self, w):
+        return cast_weight_t(w, *self.args)
+
+
 def weight_casts(cache, weights, w, rowwise: bool, in_group, out_group, transposed: bool):
     """From `cache`, or cast for this use only when there is none (W^T then waits for
     backward, so that forward does not hold it)."""
     if cache is None:
-        return WeightCasts(w, rowwise, in_group, out_group, transposed=False)
+        w_q, w_s, _ = cast_weight(w, rowwise, in_group, out_group, transposed=False)
+        return OneUseCasts(w_q, w_s, (rowwise, in_group, out_group))
     return cache.get(weights, w, rowwise, in_group, out_group, transposed)
