@@ -32,7 +32,12 @@ BAD_FLAGS = [  # (flags, words the message must contain)
 
 
 @pytest.mark.parametrize("flags,words", BAD_FLAGS)
-def test_create_config_refuses_before_writing(tmp_path, capsys, flags, words):
+def test_create_config_refuses_before_writing(tmp_path, capsys, monkeypatch, flags, words):
+    # an unknown hub id: the hub unreachable at once (offline mode), not after the client's
+    # five retries with backoff (~23 s) on a machine without its network
+    from huggingface_hub import constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(SystemExit) as exit_info:
         create_config.main(["--out_dir", str(tmp_path), "--exp_name", "bad", "--use_cpu"] + flags)
     assert exit_info.value.code == 2
