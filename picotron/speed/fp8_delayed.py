@@ -73,9 +73,8 @@ class Site:
     def whole_sequence(self, amax):
         """Calibrating: this rank's () fp32 `amax` made its micro-batch's, all-reduced (MAX, in
         place) over the ranks holding the sequence's other chunks (context parallelism)."""
-        group = self.ledger.sequence_group
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        if self.ledger.sequence_split():
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.ledger.sequence_group)
         return amax
 
     def scale_amax(self, device):
@@ -106,6 +105,11 @@ class AmaxLedger:
         self.scale_amax = self.seen = None
         self.calibrating = True
         self.watched, self.version = None, None
+
+    def sequence_split(self) -> bool:
+        """Whether other ranks hold chunks of this rank's sequences (context parallelism)."""
+        group = self.sequence_group
+        return group is not None and dist.get_world_size(group) > 1
 
     def site(self, name: str) -> Site:
         assert self.scale_amax is None, "sites are added before the first cast"

@@ -129,8 +129,7 @@ def _own_amax(site) -> bool:
     parallelism, where it spans the sequence's other chunks (fp8_delayed.Site.whole_sequence:
     an all-reduce between the amax and the cast, which the fused SwiGLU cast has no room for;
     the first step only)."""
-    return site is None or site.ledger.sequence_group is None or \
-        torch.distributed.get_world_size(site.ledger.sequence_group) == 1
+    return site is None or not site.ledger.sequence_split()
 
 
 def _record(site, amax):
