@@ -253,13 +253,13 @@ def test_the_mlps_forward_gemms_accumulate_fast(monkeypatch):
     """Fp8TritonMLP under "selective": gate/up's and the down projection's forward GEMMs ask
     for fast accumulation, their four gradient GEMMs do not (fp8.FORWARD_FAST_ACCUM)."""
     monkeypatch.setattr(fp8_quantize, "use_kernels", lambda t: True)
+    mlp = fp8_mlp("tensorwise_delayed", dtype=torch.bfloat16)   # on a GPU, probes one GEMM
     calls, real = [], torch._scaled_mm
 
     def spy(*args, use_fast_accum=False, **kwargs):
         calls.append(use_fast_accum)
         return real(*args, use_fast_accum=use_fast_accum, **kwargs)
     monkeypatch.setattr(torch, "_scaled_mm", spy)
-    mlp = fp8_mlp("tensorwise_delayed", dtype=torch.bfloat16)
     x = torch.randn(2, 16, 64).bfloat16().to(DEVICE).requires_grad_()
     y = mlp(x)
     assert calls == [True, True]
