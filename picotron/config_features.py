@@ -20,6 +20,10 @@ FP8_AUTO_MIN_HIDDEN_GRAPHS = 960
 # (576) 1.04x its bf16 graphs (361.5k against 348.5k tok/s, and 355.6k against 340.3k in the
 # convergence bench's runs).
 FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED = 576
+# ... and "tensorwise" from this one up under training.compile, whose compiled layers fuse the
+# casts with their neighbours: SmolLM-360M (960) 1.03x its compiled bf16 (178.9k and 178.7k
+# against 172.3k-174.3k tok/s), 1.7B 1.28x, but 135M (576) 0.93x.
+FP8_AUTO_MIN_HIDDEN_COMPILED = 960
 # training.cuda_graphs="auto" captures the layers of one-GPU runs below this hidden size:
 # SmolLM-360M and 135M as fast as eager with 4-5% less peak memory, and FP8 pays at 360M
 # under graphs only; SmolLM-1.7B ran 1.5% slower under graphs, so it stays eager.
@@ -132,7 +136,8 @@ def fp8_auto_choice(config, tensor_cores=None) -> str:
     """What training.fp8="auto" resolves to on a GPU run: FP8 where it measured faster
     (hidden_size >= FP8_AUTO_MIN_HIDDEN, or when the layers replay as CUDA graphs
     FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED for the delayed recipe, FP8_AUTO_MIN_HIDDEN_GRAPHS for
-    tensorwise; FP8 tensor cores, tp_size 1) and the rest of the config lets FP8 run (no
+    tensorwise, or under training.compile FP8_AUTO_MIN_HIDDEN_COMPILED; FP8 tensor cores,
+    tp_size 1) and the rest of the config lets FP8 run (no
     fp8_problems, no tp_comm_overlap): "tensorwise_delayed", 1.7-6% faster than
     "tensorwise" and as close to bf16 in the convergence bench (bench/NOTES.md), or
     "tensorwise" where the delayed recipe does not run (training.compile); else "none". Under tensor
@@ -149,7 +154,8 @@ def fp8_auto_choice(config, tensor_cores=None) -> str:
         tried = dataclasses.replace(
             config, training=dataclasses.replace(config.training, fp8=recipe))
         if not fp8_problems(tried):
-            smallest = FP8_AUTO_MIN_HIDDEN if not graphs else \
+            smallest = FP8_AUTO_MIN_HIDDEN_COMPILED if config.training.compile else \
+                FP8_AUTO_MIN_HIDDEN if not graphs else \
                 FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED if recipe == "tensorwise_delayed" else \
                 FP8_AUTO_MIN_HIDDEN_GRAPHS
             return recipe if config.model.hidden_size >= smallest else "none"

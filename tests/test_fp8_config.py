@@ -59,6 +59,7 @@ def test_auto_picks_fp8_where_it_was_measured_faster(monkeypatch):
     assert auto(hidden=960, training={"cuda_graphs": False}) == "none"   # eager: no gain
     assert auto(hidden=576) == "tensorwise_delayed"         # 135M's: the delayed recipe pays
     assert auto(hidden=512) == "none"                       # below it, not measured faster
+    assert auto(hidden=960, training={"compile": True}) == "tensorwise"   # 360M compiled
     assert auto(hidden=576, training={"compile": True}) == "none"   # tensorwise: not at 576
     assert auto(tensor_cores=False) == "none"               # an A100, or no GPU in sight
     assert auto(distributed={"use_cpu": True}) == "none"
