@@ -37,6 +37,7 @@ micro-batch 16, synthetic tokens, bf16 parameters, fused AdamW), each row in its
   "ours fp8 rowwise_bf16_dw"       the defaults with training.fp8=rowwise_bf16_dw
   "ours compile"                   bf16, kernels torch + training.compile, our loss
   "ours fp8 tensorwise compile"    the same with training.fp8=tensorwise
+  "ours fp8 tensorwise_delayed compile"   ... tensorwise_delayed
   "ours fp8 rowwise compile"       the same with training.fp8=rowwise
   "hf+liger"                       transformers + liger-kernel, bf16: the ratios' reference
 The fp8 rows run the casts (or amaxes) fused into the SwiGLU kernels, as training does.
@@ -75,6 +76,8 @@ ROWS = {"ours defaults": ("auto", "auto", False, "auto", "none"),
         "ours fp8 rowwise_bf16_dw": ("auto", "auto", False, "auto", "rowwise_bf16_dw"),
         "ours compile": ("torch", "triton", True, "none", "none"),
         "ours fp8 tensorwise compile": ("torch", "triton", True, "none", "tensorwise"),
+        "ours fp8 tensorwise_delayed compile": ("torch", "triton", True, "none",
+                                                "tensorwise_delayed"),
         "ours fp8 rowwise compile": ("torch", "triton", True, "none", "rowwise")}
 
 

@@ -8,21 +8,20 @@ import dataclasses
 
 FP8 = ("auto", "none", "tensorwise", "tensorwise_delayed", "rowwise",
        "rowwise_bf16_dw")                                               # training.fp8
-# training.fp8="auto" picks tensorwise from this hidden size up. Measured on one H200
+# training.fp8="auto" picks FP8 from this hidden size up. Measured on one H200
 # (bench/NOTES.md): SmolLM-1.7B (hidden 2048) 1.35x HF + Liger in FP8 against 1.02x in bf16,
 # the Llama-3-8B shape 1.38x; but eager, SmolLM-360M (960) only broke even and 135M (576) ran at
 # 0.62x of bf16: their GEMMs are too small to cover the host's time to launch the casts.
 FP8_AUTO_MIN_HIDDEN = 2048
-# ... and from this one up when the layers replay as CUDA graphs, which take the host's
-# launches out of the step: SmolLM-360M (960) 1.07x its bf16 graphs in FP8, 135M (576) 1.0x.
-FP8_AUTO_MIN_HIDDEN_GRAPHS = 960
-# ... and "tensorwise_delayed" (no amax pass) from this one up under graphs: at SmolLM-135M
-# (576) 1.04x its bf16 graphs (361.5k against 348.5k tok/s, and 355.6k against 340.3k in the
-# convergence bench's runs).
+# ... and "tensorwise_delayed" (no amax pass) from this one up when the layers replay as CUDA
+# graphs, which take the host's launches out of the step: at SmolLM-135M (576) 1.04x its bf16
+# graphs (361.5k against 348.5k tok/s, and 355.6k against 340.3k in the convergence bench's
+# runs; tensorwise there 1.0x, and 1.07x at 360M).
 FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED = 576
 # ... and "tensorwise" from this one up under training.compile, whose compiled layers fuse the
 # casts with their neighbours: SmolLM-360M (960) 1.03x its compiled bf16 (178.9k and 178.7k
-# against 172.3k-174.3k tok/s), 1.7B 1.28x, but 135M (576) 0.93x.
+# against 172.3k-174.3k tok/s), 1.7B 1.28x, but 135M (576) 0.93x. Compiled, the delayed recipe
+# measured no faster than tensorwise (360M 0.98x, 1.7B 1.0x) and held more memory.
 FP8_AUTO_MIN_HIDDEN_COMPILED = 960
 # training.cuda_graphs="auto" captures the layers of one-GPU runs below this hidden size:
 # SmolLM-360M and 135M as fast as eager with 4-5% less peak memory, and FP8 pays at 360M
@@ -108,22 +107,7 @@ def fp8_problems(config) -> list:
         problems.append(f"training.fp8 needs the projections' sizes on each rank to be "
                         f"multiples of 16 (FP8 GEMMs), but {', '.join(odd)}; change them or "
                         f"set training.fp8='none'")
-    return problems + delayed_fp8_problems(d, t)
-
-
-def delayed_fp8_problems(d, t) -> list:
-    """"tensorwise_delayed" (speed/fp8_delayed.py) keeps its amax records as host-side state
-    (which sites record, whether the step calibrates) that a compiled layer would bake in.
-    ZeRO-3 runs it: its gathers write through another tensor over the parameters' storage,
-    so the weights' versions, which the roll watches, move only with the optimizer step
-    (tests/test_fp8_delayed.py, with accumulation)."""
-    if t.fp8 != "tensorwise_delayed":
-        return []
-    blockers = [name for name, on in (("training.compile=true", t.compile),) if on]
-    if not blockers:
-        return []
-    return [f"training.fp8='tensorwise_delayed' does not run with {' or '.join(blockers)} "
-            f"yet; use training.fp8='tensorwise' there"]
+    return problems
 
 
 def fp8_tensor_cores() -> bool:
@@ -134,32 +118,26 @@ def fp8_tensor_cores() -> bool:
 
 def fp8_auto_choice(config, tensor_cores=None) -> str:
     """What training.fp8="auto" resolves to on a GPU run: FP8 where it measured faster
-    (hidden_size >= FP8_AUTO_MIN_HIDDEN, or when the layers replay as CUDA graphs
-    FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED for the delayed recipe, FP8_AUTO_MIN_HIDDEN_GRAPHS for
-    tensorwise, or under training.compile FP8_AUTO_MIN_HIDDEN_COMPILED; FP8 tensor cores,
-    tp_size 1) and the rest of the config lets FP8 run (no
-    fp8_problems, no tp_comm_overlap): "tensorwise_delayed", 1.7-6% faster than
-    "tensorwise" and as close to bf16 in the convergence bench (bench/NOTES.md), or
-    "tensorwise" where the delayed recipe does not run (training.compile); else "none". Under tensor
+    (FP8 tensor cores, tp_size 1, and the rest of the config lets FP8 run: no fp8_problems,
+    no tp_comm_overlap): "tensorwise_delayed", 1.7-6% faster than "tensorwise" and as close
+    to bf16 in the convergence bench (bench/NOTES.md), from hidden_size FP8_AUTO_MIN_HIDDEN
+    eager and FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED when the layers replay as CUDA graphs; under
+    training.compile "tensorwise" from FP8_AUTO_MIN_HIDDEN_COMPILED; else "none". Under tensor
     parallelism each cast's amax is all-reduced over the TP group and the GEMMs are 1/tp the
     size: not yet measured on GPUs, so not chosen for the user. `tensor_cores`: whether the GPU
     has FP8 tensor cores, when it is not this process's (None: ask this process's)."""
-    d = config.distributed
+    d, t = config.distributed, config.training
     if d.tp_size > 1 or d.tp_comm_overlap:
         return "none"
     if not (fp8_tensor_cores() if tensor_cores is None else tensor_cores):
         return "none"
-    graphs = config.training.cuda_graphs is True
-    for recipe in ("tensorwise_delayed", "tensorwise"):    # the faster one where it runs
-        tried = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, fp8=recipe))
-        if not fp8_problems(tried):
-            smallest = FP8_AUTO_MIN_HIDDEN_COMPILED if config.training.compile else \
-                FP8_AUTO_MIN_HIDDEN if not graphs else \
-                FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED if recipe == "tensorwise_delayed" else \
-                FP8_AUTO_MIN_HIDDEN_GRAPHS
-            return recipe if config.model.hidden_size >= smallest else "none"
-    return "none"
+    recipe = "tensorwise" if t.compile else "tensorwise_delayed"
+    if fp8_problems(dataclasses.replace(config, training=dataclasses.replace(t, fp8=recipe))):
+        return "none"
+    smallest = (FP8_AUTO_MIN_HIDDEN_COMPILED if t.compile else
+                FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED if t.cuda_graphs is True else
+                FP8_AUTO_MIN_HIDDEN)
+    return recipe if config.model.hidden_size >= smallest else "none"
 
 
 def tp_overlap_problems(config) -> list:

@@ -42,6 +42,11 @@ a site that saw only zeros keeps its last amax.
 CUDA graphs: the calibrating step runs eager and the capture waits for the first step after
 it (cuda_graphs.py), so the graphs hold only the delayed casts; the amaxes live in two flat
 buffers the graphs read and write in place.
+
+training.compile: the buffers are made before the model's first forward, outside the compiled
+layers, and each site keeps its own views of them (`Site.views`), which a layer's graph takes as
+inputs and writes in place. Each layer compiles twice: for the calibrating step and for the
+rest (`calibrating` is host state its graph is specialized on).
 """
 import torch
 import torch.distributed as dist
@@ -61,10 +66,15 @@ class Site:
     """One operand's place in its ledger: `scale_amax` the A_s its casts use this step,
     `seen` the int32 bits of the largest |value| cast there since the last roll (SLOTS places,
     any of which a cast may max into). `records`:
-    False for a forward without autograd (`for_this_call`)."""
+    False for a forward without autograd (`for_this_call`). `views`: (A_s () fp32, seen
+    (SLOTS, SLOT_STRIDE) int32), this site's rows of the ledger's buffers, taken once they
+    exist. training.compile needs them as tensors of their own: an index into the shared
+    buffers would be a constant in each layer's graph (one compilation per layer), and a
+    write through it would rewrite the whole buffer, undoing the other layers' records."""
 
-    def __init__(self, ledger, index: int, name: str, records: bool = True):
+    def __init__(self, ledger, index: int, name: str, records: bool = True, views=None):
         self.ledger, self.index, self.name, self.records = ledger, index, name, records
+        self.views = views
 
     @property
     def calibrating(self) -> bool:
@@ -78,12 +88,18 @@ class Site:
         return amax
 
     def scale_amax(self, device):
-        return self.ledger.buffers(device)[0][self.index]                       # () fp32
+        return self._views(device)[0]                                           # () fp32
 
     def record_into(self, device):
         """Where a cast maxes its amax in ((SLOTS, SLOT_STRIDE) int32 bits), or None where it
         must not record."""
-        return self.ledger.buffers(device)[1][self.index] if self.records else None
+        return self._views(device)[1] if self.records else None
+
+    def _views(self, device):
+        if self.views is None:              # cast before the model's first forward hook
+            scale_amax, seen = self.ledger.buffers(device)
+            self.views = scale_amax[self.index], seen[self.index]
+        return self.views
 
 
 def for_this_call(sites):
@@ -91,7 +107,7 @@ def for_this_call(sites):
     here, by the caller of the autograd function, inside which grad mode is always off)."""
     if sites is None or torch.is_grad_enabled():
         return sites
-    return tuple(Site(s.ledger, s.index, s.name, records=False) for s in sites)
+    return tuple(Site(s.ledger, s.index, s.name, records=False, views=s.views) for s in sites)
 
 
 class AmaxLedger:
@@ -100,7 +116,7 @@ class AmaxLedger:
     `sequence_group`: the context-parallel group, which the calibrating casts' amaxes span."""
 
     def __init__(self, groups=(), sequence_group=None):
-        self.names, self.groups = [], [g for g in groups if g is not None]
+        self.names, self.sites, self.groups = [], [], [g for g in groups if g is not None]
         self.sequence_group = sequence_group
         self.scale_amax = self.seen = None
         self.calibrating = True
@@ -114,15 +130,19 @@ class AmaxLedger:
     def site(self, name: str) -> Site:
         assert self.scale_amax is None, "sites are added before the first cast"
         self.names.append(name)
-        return Site(self, len(self.names) - 1, name)
+        self.sites.append(Site(self, len(self.names) - 1, name))
+        return self.sites[-1]
 
     def buffers(self, device):
-        """(scale_amax (S,) fp32, seen (S, SLOTS, SLOT_STRIDE) int32), made on the first
-        cast's device."""
+        """(scale_amax (S,) fp32, seen (S, SLOTS, SLOT_STRIDE) int32), made before the model's
+        first forward (on its device), or the first cast's when there is no model; each site
+        takes its views of them then."""
         if self.scale_amax is None:
             self.scale_amax = torch.zeros(len(self.names), dtype=torch.float32, device=device)
             self.seen = torch.zeros((len(self.names), SLOTS, SLOT_STRIDE), dtype=torch.int32,
                                     device=device)
+            for site in self.sites:
+                site.views = self.scale_amax[site.index], self.seen[site.index]
         return self.scale_amax, self.seen
 
     def watch(self, model, projection):
@@ -133,6 +153,7 @@ class AmaxLedger:
         model.register_forward_pre_hook(lambda module, args: self.before_forward())
 
     def before_forward(self):
+        self.buffers(self.watched.weight.device)        # outside any compiled layer
         version = self.watched.weight._version
         if self.version is not None and version != self.version:
             self.roll()
