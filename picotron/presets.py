@@ -4,6 +4,7 @@ Tried in this order: a preset shipped in configs/presets/ (by its name, or by th
 mirrors, so `HuggingFaceTB/SmolLM-1.7B` works offline), a local directory holding a Hugging
 Face `config.json`, then the Hugging Face hub.
 """
+import difflib
 import glob
 import json
 import os
@@ -72,16 +73,29 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
                               f"point it at a Hugging Face model directory")
         with open(path) as f:
             return {"name": name, **model_fields_from_hf(json.load(f), path)}
+    near = near_presets(name)
+    if near and near[0] in presets() and near[0].lower() == name.lower():   # no hub call
+        raise ConfigError(f"--model_name '{name}' is not a preset; did you mean '{near[0]}'? "
+                          f"(names are case-sensitive)")
     try:
         from transformers import AutoConfig
         hf = AutoConfig.from_pretrained(name, token=hf_token).to_dict()
     except Exception as e:   # offline, unknown id, gated model: say which and what to do
+        guess = f"did you mean '{near[0]}'? " if near else ""
         raise ConfigError(
             f"--model_name '{name}' is not a preset ({', '.join(presets())}), not a local "
             f"directory, and could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the name, "
-            f"your network, or pass --hf_token for a gated model") from None
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {guess}check "
+            f"the name, your network, or pass --hf_token for a gated model") from None
     return {"name": name, **model_fields_from_hf(hf, f"hub config of {name}")}
+
+
+def near_presets(name: str) -> list:
+    """Preset names and hub ids close to `name` (a typo's likely meaning), closest first."""
+    names = [n for preset, spec in presets().items() for n in (preset, spec.get("hub_id")) if n]
+    by_lower = {n.lower(): n for n in names}
+    return [by_lower[n] for n in difflib.get_close_matches(name.lower(), by_lower, n=1,
+                                                           cutoff=0.8)]
 
 
 def pretrained_weights(name: str):

@@ -26,6 +26,8 @@ BAD_FLAGS = [  # (flags, words the message must contain)
     (["--set", "training.dtype=float64"], ["dtype='float64'"]),
     (["--set", "seed"], ["section.key=value"]),
     (["--model_name", "no/such-model-anywhere"], ["not a preset", "no/such-model-anywhere"]),
+    (["--model_name", "smollm-360m"], ["did you mean 'SmolLM-360M'", "case-sensitive"]),
+    (["--model_name", "SmolLM-36OM"], ["could not be fetched", "did you mean 'SmolLM-360M'"]),
     (["--set", "model.attn_implementation=flash_attention_2"], ["flash_attention_2",
                                                                 "use_cpu", "'sdpa'"]),
 ]
