@@ -138,7 +138,7 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     rank: its gathers must not look like a weight change, which would roll between
     micro-batches) against one process accumulating four, tp2 and pp2 (amaxes and losses:
     their ranks hold parts of the weights), and cp2 (its ranks hold chunks of each sequence:
-    the first step's casts scale by the whole sequence's amax). The controls, whose roll skips
+    the first step's casts scale by the whole sequence's amax), eager and compiled. The controls, whose roll skips
     the data-parallel or the tensor-parallel group, or whose first step scales each cp chunk
     by its own amax, must differ. dp2's checkpoint after step 2 resumes in one process with the amaxes that run
     rolled there (its output gradients' halved), and trains on like it."""
@@ -151,9 +151,11 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     tp2, pp2, cp2 = (write_config(tmp_path, axis, [f"--{axis[:2]}", "2", "--grad_acc_steps",
                                                    "2"] + TINY)
                      for axis in ("tp2", "pp2", "cp2"))
+    cp2_compile = write_config(tmp_path, "cp2_compile", ["--cp", "2", "--grad_acc_steps", "2"]
+                               + TINY + ["--set", "training.compile=true"])
     out, root = str(tmp_path / "dp2.pt"), str(tmp_path / "dp2_ckpt")
     launch_script(os.path.join(ROOT, "tests", "workers", "fp8_delayed_worker.py"), 2,
-                  [dp2, out, STEPS, root, zero3, tp2, pp2, cp2])
+                  [dp2, out, STEPS, root, zero3, tp2, pp2, cp2, cp2_compile])
     runs = torch.load(out)
     ref = reference_run(one)
     # (reference, dy over one process's, steps compared): each rank's loss is the mean over
@@ -164,7 +166,8 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     # the row-parallel all-reduce, moved onto the FP8 grid wherever a value sits at a
     # rounding boundary, grows (0.3% in some dy amaxes after step 2), not bounded here
     layouts = {"delayed": (ref, 2, STEPS), "zero3": (reference_run(one_by_1), 2, STEPS),
-               "tp2": (ref, 1, 2), "pp2": (ref, 1, STEPS), "cp2": (ref, 2, STEPS)}
+               "tp2": (ref, 1, 2), "pp2": (ref, 1, STEPS), "cp2": (ref, 2, STEPS),
+               "cp2 compile": (ref, 2, STEPS)}
     for layout, (want_run, dy, steps) in layouts.items():
         assert len(want_run["amaxes"][0]) >= 8         # x and dy of each projection, 2 layers
         for step, (got, want) in enumerate(zip(runs[layout]["amaxes"][:steps - 1],

@@ -1,7 +1,8 @@
 """Worker for test_fp8_delayed.py: training.fp8="tensorwise_delayed" at dp2 on 2 gloo ranks.
 
 argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the ZeRO-3 dp2, tp2,
-pp2 and cp2 configs. Trains the dp2 config twice through train.py's build and step: as the
+pp2, cp2 and cp2 + training.compile configs (compiled with aot_eager: the traced ops as they
+are, so that the numbers stay eager's). Trains the dp2 config twice through train.py's build and step: as the
 recipe is (saving a checkpoint after step 2), and as a control whose amax roll skips the
 data-parallel group (each rank's scales from its own micro-batches only); then the others,
 a tp2 control whose roll skips the tensor-parallel group, and a cp2 control whose first
@@ -73,8 +74,10 @@ def every_stage(mine):
 def main(path, out, steps, save_to, *others):
     runs = {"delayed": run(path, steps, save_to=save_to),
             "control": run(path, steps, skip="dp")}
-    runs.update({name: run(other, steps) for name, other in zip(("zero3", "tp2", "pp2", "cp2"),
-                                                                 others)})
+    real_compile = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self: real_compile(self, backend="aot_eager")
+    runs.update({name: run(other, steps) for name, other in zip(
+        ("zero3", "tp2", "pp2", "cp2", "cp2 compile"), others)})
     runs["tp2 control"] = run(others[1], 1, skip="tp")
     runs["cp2 control"] = run(others[3], 1, skip="cp")
     if torch.distributed.get_rank() == 0:
