@@ -37,6 +37,11 @@ def test_config_refusals():
     ok = config_from_dict({"distributed": {"use_cpu": False},
                            "training": {"dtype": "bfloat16", "fp8": "rowwise"}})
     assert ok.training.fp8 == "rowwise"
+    # the delayed recipe runs under compile and ZeRO-3 (tests/test_fp8_delayed.py)
+    for distributed, training in (({}, {"compile": True}), ({"zero_stage": 3, "dp_size": 2}, {})):
+        ok = config_from_dict({"distributed": {"use_cpu": False, **distributed}, "training": {
+            "dtype": "bfloat16", "fp8": "tensorwise_delayed", **training}})
+        assert ok.training.fp8 == "tensorwise_delayed"
 
 
 def test_auto_picks_fp8_where_it_was_measured_faster(monkeypatch):
