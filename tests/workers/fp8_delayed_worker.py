@@ -2,11 +2,11 @@
 
 argv: the dp2 config, the output file, STEPS, a checkpoint folder, then the ZeRO-3 dp2, tp2,
 pp2, cp2 and cp2 + training.compile configs (compiled with aot_eager: the traced ops as they
-are, so that the numbers stay eager's). Trains the dp2 config twice through train.py's build and step: as the
-recipe is (saving a checkpoint after step 2), and as a control whose amax roll skips the
-data-parallel group (each rank's scales from its own micro-batches only); then the others,
-a tp2 control whose roll skips the tensor-parallel group, and a cp2 control whose first
-step scales each rank's chunk of the sequence by its own amax. FP8 is set after loading: the
+are, so that the numbers stay eager's). Trains the dp2 config twice through train.py's build
+and step: as the recipe is (saving a checkpoint after step 2), and as a control whose amax
+roll skips the data-parallel group (each rank's scales from its own micro-batches only); then
+the others, a tp2 control whose roll skips the tensor-parallel group, and a cp2 control whose
+first step scales each rank's chunk of the sequence by its own amax. FP8 is set after loading: the
 config refuses FP8 on CPU (no FP8 tensor cores), and the math is the GPU's. Rank 0 saves,
 per run, the losses, the delayed amaxes after each step, and the final weights. `run` also
 resumes a checkpoint (the test calls it in one process)."""
