@@ -197,16 +197,20 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
 def test_compiled_layers_record_and_roll_like_eager(tmp_path, monkeypatch):
     """training.compile: each layer's graph casts with its sites' A_s and records into their
     `seen` as eager does, in forward and in backward, with accumulation (4 layers, two
-    micro-batches a step): the same losses, amaxes and weights, to fp32 summation order.
+    micro-batches a step): the same losses, amaxes and weights, to fp32 summation order; then
+    a forward without autograd of another shape (static shapes: compiled again; symbolic ones
+    would reach the FP8 GEMM's out= variant, which has no shape function) gives eager's logits.
     aot_eager runs the ops the graph traced, as they are, so the comparison is tight; the
     inductor backend that training uses fuses them (other fp32 roundings, so other FP8
     roundings from there on). Records through an index into the shared buffers would rewrite
     the whole buffer from each layer's graph, losing the other layers' records."""
     import train
     from picotron.data import StepBatches, build_train_val
+    torch._dynamo.reset()       # the layers' code compiled by earlier tests counts to its limit
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self: real_compile(self, backend="aot_eager", fullgraph=True))
+                        lambda self, **kw: real_compile(self, **kw, backend="aot_eager",
+                                                        fullgraph=True))
     runs = []
     for compiled in (False, True):
         path = write_config(tmp_path, f"compile{compiled}", TINY + [
@@ -219,8 +223,12 @@ def test_compiled_layers_record_and_roll_like_eager(tmp_path, monkeypatch):
         out = [(train.queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
                                  device).read()["loss"], model.fp8_ledger.state())
                for step in range(STEPS)]
-        runs.append((out, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        with torch.no_grad():       # a validation-like forward of another shape records nothing
+            logits = model(torch.arange(3 * 16).view(3, 16) % 64)
+        assert not model.fp8_ledger.seen.any()      # rolled before it, and nothing recorded
+        runs.append((out + [logits], {n: p.detach().clone() for n, p in model.named_parameters()}))
     (eager, eager_weights), (compiled, compiled_weights) = runs
+    torch.testing.assert_close(compiled.pop(), eager.pop(), rtol=RTOL, atol=RTOL)
     assert all(amax > 0 for amax in compiled[1][1].values())      # step 1 rolled: all seen
     for (loss, amaxes), (loss_c, amaxes_c) in zip(eager, compiled):
         assert loss_c == pytest.approx(loss, rel=RTOL)

@@ -47,5 +47,8 @@ def apply_speed(model, loss_fn, config, tp_group=None, dp_group=None, cp_group=N
     model, loss_fn = apply_fused_loss(model, loss_fn, config)
     if config.training.compile:     # in place: parameter names stay those of the layout
         for layer in model.layers.values():
-            layer.compile()
+            # static shapes: a run's layers see one (micro-batch, seq); another shape compiles
+            # again rather than tracing symbolic sizes, which the FP8 GEMM (_scaled_mm with
+            # out=) has no shape function for
+            layer.compile(dynamic=False)
     return model, loss_fn

@@ -75,7 +75,7 @@ def main(path, out, steps, save_to, *others):
     runs = {"delayed": run(path, steps, save_to=save_to),
             "control": run(path, steps, skip="dp")}
     real_compile = torch.nn.Module.compile
-    torch.nn.Module.compile = lambda self: real_compile(self, backend="aot_eager")
+    torch.nn.Module.compile = lambda self, **kw: real_compile(self, **kw, backend="aot_eager")
     runs.update({name: run(other, steps) for name, other in zip(
         ("zero3", "tp2", "pp2", "cp2", "cp2 compile"), others)})
     runs["tp2 control"] = run(others[1], 1, skip="tp")
