@@ -73,15 +73,15 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
                               f"point it at a Hugging Face model directory")
         with open(path) as f:
             return {"name": name, **model_fields_from_hf(json.load(f), path)}
-    near = near_presets(name)
-    if near and near[0] in presets() and near[0].lower() == name.lower():   # no hub call
-        raise ConfigError(f"--model_name '{name}' is not a preset; did you mean '{near[0]}'? "
+    near = near_preset(name)
+    if near in presets() and near.lower() == name.lower():      # other capitals: no hub call
+        raise ConfigError(f"--model_name '{name}' is not a preset; did you mean '{near}'? "
                           f"(names are case-sensitive)")
     try:
         from transformers import AutoConfig
         hf = AutoConfig.from_pretrained(name, token=hf_token).to_dict()
     except Exception as e:   # offline, unknown id, gated model: say which and what to do
-        guess = f"did you mean '{near[0]}'? " if near else ""
+        guess = f"did you mean '{near}'? " if near else ""
         raise ConfigError(
             f"--model_name '{name}' is not a preset ({', '.join(presets())}), not a local "
             f"directory, and could not be fetched from the Hugging Face hub "
@@ -90,12 +90,12 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
     return {"name": name, **model_fields_from_hf(hf, f"hub config of {name}")}
 
 
-def near_presets(name: str) -> list:
-    """Preset names and hub ids close to `name` (a typo's likely meaning), closest first."""
+def near_preset(name: str):
+    """The preset name or hub id closest to `name` (a typo's likely meaning), or None."""
     names = [n for preset, spec in presets().items() for n in (preset, spec.get("hub_id")) if n]
     by_lower = {n.lower(): n for n in names}
-    return [by_lower[n] for n in difflib.get_close_matches(name.lower(), by_lower, n=1,
-                                                           cutoff=0.8)]
+    close = difflib.get_close_matches(name.lower(), by_lower, n=1, cutoff=0.8)
+    return by_lower[close[0]] if close else None
 
 
 def pretrained_weights(name: str):

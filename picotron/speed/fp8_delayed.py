@@ -96,9 +96,9 @@ class Site:
         return self._views(device)[1] if self.records else None
 
     def _views(self, device):
-        if self.views is None:              # cast before the model's first forward hook
-            scale_amax, seen = self.ledger.buffers(device)
-            self.views = scale_amax[self.index], seen[self.index]
+        if self.views is None:      # a read-only copy made before the buffers (for_this_call)
+            self.ledger.buffers(device)
+            self.views = self.ledger.sites[self.index].views
         return self.views
 
 
