@@ -16,6 +16,7 @@
 - training: the debug model on the embedded corpus, FP8 against bf16 from the same seed with
   model.kernels torch, triton (with and without "selective") and torch + training.compile:
   the FP8 loss follows bf16's;
+- training.compile + FP8 validates a smaller last batch (a second shape) like eager FP8;
 - an FP8 checkpoint resumes in bf16 (the weights are ordinary bf16 weights);
 - with 2 GPUs: tp=2 FP8 against one-GPU FP8, step by step, at bf16 parity's tolerance
   (bench/multi_gpu.py's rule: twice the loss gap of two one-GPU runs splitting the batch
@@ -121,8 +122,9 @@ def test_fused_fp8_mlp_on_gpu(monkeypatch, recipe):
     assert_fused_mlp_is_unfused(monkeypatch, mlp, x, dy)
 
 
-def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1):
-    """Train the debug model on the embedded corpus; its losses, step by step."""
+def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1, key="loss"):
+    """Train the debug model on the embedded corpus; its losses (or another metric `key`),
+    step by step."""
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", name, "--model_name", "debug",
         "--mbs", str(mbs), "--seq_len", str(seq), "--grad_acc_steps", str(acc),
@@ -130,7 +132,7 @@ def run(tmp_path, name, *flags, nproc=1, steps=100, mbs=8, seq=256, acc=1):
         "--set", "checkpoint.save_frequency=0", "--set", "checkpoint.save_final=false",
         *flags])
     launch(path, nproc)
-    return [r["loss"] for r in read_metrics(path) if "loss" in r]
+    return [r[key] for r in read_metrics(path) if key in r]
 
 
 @pytest.mark.parametrize("kernels,compile_,ckpt", [
@@ -149,6 +151,20 @@ def test_fp8_trains_like_bf16(tmp_path, kernels, compile_, ckpt):
         assert fp8[-1] < fp8[0] - 1.0, f"{recipe} did not train: {fp8}"
         gap = abs(sum(fp8[-20:]) - sum(bf16[-20:])) / sum(bf16[-20:])
         assert gap < 0.01, f"{recipe} ({kernels}, compile={compile_}): {gap:.3%} from bf16"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "tensorwise_delayed"])
+def test_compiled_fp8_validates_a_smaller_last_batch(tmp_path, recipe):
+    """training.compile + FP8 with validation batches of 8 windows then 4 (val_samples=12,
+    micro-batch 8): the layers compile again for the second shape (static shapes; with
+    symbolic sizes the FP8 GEMM has no shape function) and score as eager FP8 does."""
+    flags = ["--set", f"training.fp8={recipe}", "--set", "dataset.val_samples=12",
+             "--set", "training.val_frequency=5"]
+    compiled, eager = (run(tmp_path, f"compile_{c}", *flags, "--set", f"training.compile={c}",
+                           steps=10, key="val_loss") for c in ("true", "false"))
+    assert len(compiled) == len(eager) == 2
+    for c, e in zip(compiled, eager):
+        assert abs(c - e) / e < 0.01, f"{recipe}: compiled val loss {c} against eager {e}"
 
 
 def test_an_fp8_checkpoint_resumes_in_bf16(tmp_path):
