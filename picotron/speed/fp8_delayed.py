@@ -65,12 +65,14 @@ GRADIENT = ".dy"
 class Site:
     """One operand's place in its ledger: `scale_amax` the A_s its casts use this step,
     `seen` the int32 bits of the largest |value| cast there since the last roll (SLOTS places,
-    any of which a cast may max into). `records`:
-    False for a forward without autograd (`for_this_call`). `views`: (A_s () fp32, seen
-    (SLOTS, SLOT_STRIDE) int32), this site's rows of the ledger's buffers, taken once they
-    exist. training.compile needs them as tensors of their own: an index into the shared
-    buffers would be a constant in each layer's graph (one compilation per layer), and a
-    write through it would rewrite the whole buffer, undoing the other layers' records."""
+    any of which a cast may max into).
+
+    `records`: False for a forward without autograd (`for_this_call`).
+    `views`: (A_s () fp32, seen (SLOTS, SLOT_STRIDE) int32), this site's rows of the ledger's
+    buffers, taken once they exist. training.compile needs them as tensors of their own: an
+    index into the shared buffers would be a constant in each layer's graph (one compilation
+    per layer), and a write through it would rewrite the whole buffer, undoing the other
+    layers' records."""
 
     def __init__(self, ledger, index: int, name: str, records: bool = True, views=None):
         self.ledger, self.index, self.name, self.records = ledger, index, name, records
