@@ -10,8 +10,9 @@ before the tensor exists and takes the tensor's amax during that same cast, for 
     between steps t and t+1:        A_s = max of seen_s over every rank holding part of the
                                     operand or other micro-batches of the step; seen_s = 0
 
-A site is one operand of one projection: its input x, its output gradient dy, and, in the
-recomputing SwiGLU + down projection (fp8_triton.py), h. A value above A_s saturates at the
+A site is one operand of one projection: its input x (one site for the projections that read
+the same x, fp8_layers.READ_THE_INPUT), its output gradient dy, and, in the recomputing
+SwiGLU + down projection (fp8_triton.py), h. A value above A_s saturates at the
 format's max instead of setting the scale (Transformer Engine's delayed scaling accepts the
 same); bench/fp8_convergence.py is the check that training does not notice.
 The weights keep their exact per-step scales (fp8_weights.py): they are cast once a step.
@@ -57,8 +58,8 @@ import torch.distributed as dist
 # an H200 at SmolLM-360M's sizes it measured no faster than one address: bench/NOTES.md.)
 SLOTS, SLOT_STRIDE = 32, 32
 # A site's name: its projection's (or fused block's) module name, then ".x" for its input
-# (the SwiGLU's h is the down projection's) or GRADIENT for its output gradient dy
-# (fp8_layers.py).
+# (the SwiGLU's h is the down projection's; q/k/v's and gate/up's is their branch's, e.g.
+# "layers.0.self_attn.x") or GRADIENT for its output gradient dy (fp8_layers.py).
 GRADIENT = ".dy"
 
 

@@ -120,6 +120,15 @@ def fp8_gemm_error(recipe: str):
     return None
 
 
+# The projections of a branch that read its input (model.py's Attention and MLP): under
+# "tensorwise_delayed" they share one x site, `{branch}.x`, as the fused q/k/v and gate/up of
+# model.kernels="triton" do. Their amaxes are the same numbers either way (one tensor), but
+# sites of their own would be different graph inputs to training.compile: it could not merge
+# their casts of x into one, and kept each cast of x^T for backward (3 x C bytes a token a layer
+# more than "tensorwise", whose casts it merges).
+READ_THE_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
 def fp8_branch_classes(kernels: str) -> dict:
     """{fast attention / MLP class: its FP8 subclass}: the fused projections of
     model.kernels="triton" call their weights directly, not through the linears' forward."""
@@ -147,11 +156,13 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
         for branch_name, branch in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
             name = f"layers.{key}.{branch_name}"
             fast = branches.get(type(branch))
+            input_site = None          # the delayed site of the branch's input (name.x)
             if fast is not None:
                 branch.__class__ = fast
                 branch.fp8_recipe, branch.fp8_group = recipe, _sharded_group(branch, tp_group)
                 branch.fp8_cache = _cache(config)            # its fused q/k/v or gate/up
                 branch.fp8_sites = _sites(ledger, name)
+                input_site = branch.fp8_sites and branch.fp8_sites[0]
             for child, projection in branch.named_children():
                 fp8 = FP8_LINEARS.get(type(projection))
                 if fp8 is None:
@@ -159,7 +170,10 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
                 assert getattr(projection, "bias", None) is None, "FP8 linears have no bias"
                 projection.__class__ = fp8
                 projection.fp8_recipe, projection.fp8_cache = recipe, _cache(config)
-                projection.fp8_sites = _sites(ledger, f"{name}.{child}")
+                if ledger is not None and child in READ_THE_INPUT and input_site is None:
+                    input_site = ledger.site(f"{name}.x")
+                projection.fp8_sites = _sites(ledger, f"{name}.{child}",
+                                              input_site if child in READ_THE_INPUT else None)
                 if fp8 is Fp8ColumnParallelLinear:
                     projection.fp8_group = tp_group
     if ledger is not None and ledger.names:
@@ -169,11 +183,13 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
     return model
 
 
-def _sites(ledger, name):
+def _sites(ledger, name, x_site=None):
     """(x's, dy's) delayed-scaling sites of the projection (or fused block) `name`, or None
-    when the recipe is not delayed."""
-    return None if ledger is None else (ledger.site(f"{name}.x"),
-                                        ledger.site(f"{name}{GRADIENT}"))
+    when the recipe is not delayed. `x_site`: the site of an input it shares (READ_THE_INPUT),
+    or None for one of its own."""
+    if ledger is None:
+        return None
+    return x_site or ledger.site(f"{name}.x"), ledger.site(f"{name}{GRADIENT}")
 
 
 def _cache(config):
