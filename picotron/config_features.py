@@ -18,10 +18,10 @@ FP8_AUTO_MIN_HIDDEN = 2048
 # graphs (361.5k against 348.5k tok/s, and 355.6k against 340.3k in the convergence bench's
 # runs; tensorwise there 1.0x, and 1.07x at 360M).
 FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED = 576
-# ... and "tensorwise" from this one up under training.compile, whose compiled layers fuse the
-# casts with their neighbours: SmolLM-360M (960) 1.03x its compiled bf16 (178.9k and 178.7k
-# against 172.3k-174.3k tok/s), 1.7B 1.28x, but 135M (576) 0.93x. Compiled, the delayed recipe
-# measured no faster than tensorwise (360M 0.98x, 1.7B 1.0x) and held more memory.
+# ... and from this one up under training.compile, whose compiled layers fuse the casts with
+# their neighbours: "tensorwise" at SmolLM-360M (960) 1.03x its compiled bf16 (178.9k and 178.7k
+# against 172.3k-174.3k tok/s), 1.7B 1.28x, but 135M (576) 0.93x; compiled, the delayed recipe
+# ran 1.00-1.04x tensorwise at 360M (median 1.02x) and 1.01x at 1.7B, at the same memory.
 FP8_AUTO_MIN_HIDDEN_COMPILED = 960
 # training.cuda_graphs="auto" captures the layers of one-GPU runs below this hidden size:
 # SmolLM-360M and 135M as fast as eager with 4-5% less peak memory, and FP8 pays at 360M
@@ -119,10 +119,10 @@ def fp8_tensor_cores() -> bool:
 def fp8_auto_choice(config, tensor_cores=None) -> str:
     """What training.fp8="auto" resolves to on a GPU run: FP8 where it measured faster
     (FP8 tensor cores, tp_size 1, and the rest of the config lets FP8 run: no fp8_problems,
-    no tp_comm_overlap): "tensorwise_delayed", 1.7-6% faster than "tensorwise" and as close
+    no tp_comm_overlap): "tensorwise_delayed", 1-6% faster than "tensorwise" and as close
     to bf16 in the convergence bench (bench/NOTES.md), from hidden_size FP8_AUTO_MIN_HIDDEN
-    eager and FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED when the layers replay as CUDA graphs; under
-    training.compile "tensorwise" from FP8_AUTO_MIN_HIDDEN_COMPILED; else "none". Under tensor
+    eager, FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED when the layers replay as CUDA graphs and
+    FP8_AUTO_MIN_HIDDEN_COMPILED under training.compile; else "none". Under tensor
     parallelism each cast's amax is all-reduced over the TP group and the GEMMs are 1/tp the
     size: not yet measured on GPUs, so not chosen for the user. `tensor_cores`: whether the GPU
     has FP8 tensor cores, when it is not this process's (None: ask this process's)."""
@@ -131,7 +131,7 @@ def fp8_auto_choice(config, tensor_cores=None) -> str:
         return "none"
     if not (fp8_tensor_cores() if tensor_cores is None else tensor_cores):
         return "none"
-    recipe = "tensorwise" if t.compile else "tensorwise_delayed"
+    recipe = "tensorwise_delayed"
     if fp8_problems(dataclasses.replace(config, training=dataclasses.replace(t, fp8=recipe))):
         return "none"
     smallest = (FP8_AUTO_MIN_HIDDEN_COMPILED if t.compile else

@@ -60,12 +60,12 @@ def test_auto_picks_fp8_where_it_was_measured_faster(monkeypatch):
     assert auto() == "tensorwise_delayed"
     assert auto(hidden=960) == "tensorwise_delayed"   # 360M's width, one GPU: under CUDA graphs
     assert auto(distributed={"zero_stage": 3, "dp_size": 2}) == "tensorwise_delayed"
-    assert auto(training={"compile": True}) == "tensorwise"    # delayed: no faster compiled
+    assert auto(training={"compile": True}) == "tensorwise_delayed"    # compiled too
     assert auto(hidden=960, training={"cuda_graphs": False}) == "none"   # eager: no gain
     assert auto(hidden=576) == "tensorwise_delayed"         # 135M's: the delayed recipe pays
     assert auto(hidden=512) == "none"                       # below it, not measured faster
-    assert auto(hidden=960, training={"compile": True}) == "tensorwise"   # 360M compiled
-    assert auto(hidden=576, training={"compile": True}) == "none"   # tensorwise: not at 576
+    assert auto(hidden=960, training={"compile": True}) == "tensorwise_delayed"  # 360M
+    assert auto(hidden=576, training={"compile": True}) == "none"   # compiled: not at 576
     assert auto(tensor_cores=False) == "none"               # an A100, or no GPU in sight
     assert auto(distributed={"use_cpu": True}) == "none"
     assert auto(training={"dtype": "float32"}) == "none"
