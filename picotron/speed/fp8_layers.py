@@ -122,7 +122,7 @@ def fp8_gemm_error(recipe: str):
 
 # The projections of a branch that read its input (model.py's Attention and MLP): under
 # "tensorwise_delayed" they share one x site, `{branch}.x`, as the fused q/k/v and gate/up of
-# model.kernels="triton" do. Their amaxes are the same numbers either way (one tensor), but
+# model.kernels="triton" do (in a parallel-residual layer, both branches' `self_attn.x`). Their amaxes are the same numbers either way (one tensor), but
 # sites of their own would be different graph inputs to training.compile: it could not merge
 # their casts of x into one, and kept each cast of x^T for backward (3 x C bytes a token a layer
 # more than "tensorwise", whose casts it merges).
@@ -153,10 +153,11 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
     ledger = (AmaxLedger([tp_group, dp_group], sequence_group=cp_group)
               if recipe == "tensorwise_delayed" else None)
     for key, layer in model.layers.items():
+        layer_input = None     # a parallel-residual layer's: its MLP reads what attention reads
         for branch_name, branch in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
             name = f"layers.{key}.{branch_name}"
             fast = branches.get(type(branch))
-            input_site = None          # the delayed site of the branch's input (name.x)
+            input_site = layer_input   # the delayed site of the branch's input, once made
             if fast is not None:
                 branch.__class__ = fast
                 branch.fp8_recipe, branch.fp8_group = recipe, _sharded_group(branch, tp_group)
@@ -176,6 +177,8 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
                                               input_site if child in READ_THE_INPUT else None)
                 if fp8 is Fp8ColumnParallelLinear:
                     projection.fp8_group = tp_group
+            if layer.parallel_residual:
+                layer_input = input_site
     if ledger is not None and ledger.names:
         model.fp8_ledger = ledger
         ledger.watch(model, next(m for m in model.modules()
