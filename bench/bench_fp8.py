@@ -207,7 +207,7 @@ def steps(args):
             results[label] = r
             mfu = 100 * r[0] * flops_per_token(cfg, args.seq) / bench_speed.PEAK
             print(f"  {label:34s} {r[0]:>9,.0f} tok/s  MFU(bf16 peak) {mfu:5.1f}%  peak "
-                  f"{r[1]:6.1f} GB  loss {r[2]:.3f}  {r[3]}", flush=True)
+                  f"{r[1]:6.1f} GB  held {r[4]:6.1f} GB  loss {r[2]:.3f}  {r[3]}", flush=True)
         ref = results.get("hf+liger")
         for label, r in results.items():
             if ref:

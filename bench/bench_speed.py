@@ -26,7 +26,9 @@ synthetic tokens (the same windows for every run), it times:
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
-max_memory_allocated, the SM clock and power nvidia-smi's medians over the timed steps
+max_memory_allocated and "held" its max_memory_reserved (a CUDA graph's pool counts as
+allocated only while it is captured, as reserved throughout), the SM clock and power
+nvidia-smi's medians over the timed steps
 (bench/gpu_clock.py: the GPU slows down at its power limit). --largest_batch LABELS then
 searches those rows' largest micro-batch, with and without full checkpointing
 (bench/largest_batch.py, which also runs alone). Output: stdout and DIR/bench_speed.txt.
@@ -140,8 +142,8 @@ def hf_runner(shape, mbs, seq, liger, ckpt):
 
 
 def measure(make, warmup, steps, mbs, seq):
-    """(tokens/s median, peak GB, last loss, SM clock and power over the timed steps), or a
-    string naming the error."""
+    """(tokens/s median, peak GB, last loss, SM clock and power over the timed steps, peak
+    reserved GB), or a string naming the error."""
     torch.cuda.reset_peak_memory_stats()
     try:
         step, _ = make()
@@ -152,7 +154,8 @@ def measure(make, warmup, steps, mbs, seq):
             loss = step(i)                      # .item() waits for the device
             times.append(time.perf_counter() - start)
         result = (mbs * seq / statistics.median(times[warmup:]),
-                  torch.cuda.max_memory_allocated() / 2 ** 30, loss, clock.stop())
+                  torch.cuda.max_memory_allocated() / 2 ** 30, loss, clock.stop(),
+                  torch.cuda.max_memory_reserved() / 2 ** 30)
     except torch.OutOfMemoryError:
         result = "OOM"
     except Exception as e:      # one broken row must not end the call
@@ -259,7 +262,7 @@ def main():
                     continue
                 runs[label].append(r)
                 emit(f"{label:38s} {r[0]:>9,.0f} tok/s  MFU {100 * r[0] * fpt / PEAK:5.1f}%  "
-                     f"peak {r[1]:6.1f} GB  loss {r[2]:.3f}  {r[3]}  "
+                     f"peak {r[1]:6.1f} GB  held {r[4]:6.1f} GB  loss {r[2]:.3f}  {r[3]}  "
                      f"({time.perf_counter() - t0:.0f} s)")
         ref = runs.get("hf+liger")
         for label, rs in runs.items():

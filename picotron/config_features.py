@@ -24,8 +24,9 @@ FP8_AUTO_MIN_HIDDEN_GRAPHS_DELAYED = 576
 # ran 1.00-1.04x tensorwise at 360M (median 1.02x) and 1.01x at 1.7B, at the same memory.
 FP8_AUTO_MIN_HIDDEN_COMPILED = 960
 # training.cuda_graphs="auto" captures the layers of one-GPU runs below this hidden size:
-# SmolLM-360M and 135M as fast as eager with 4-5% less peak memory, and FP8 pays at 360M
-# under graphs only; SmolLM-1.7B ran 1.5% slower under graphs, so it stays eager.
+# SmolLM-360M and 135M as fast as eager (their 4-5% lower peak missed the graphs' pool after
+# its capture: bench/NOTES.md), and FP8 pays at 360M under graphs only;
+# SmolLM-1.7B ran 1.5% slower under graphs, so it stays eager.
 GRAPHS_AUTO_MAX_HIDDEN = 2048
 
 
