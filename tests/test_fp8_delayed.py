@@ -237,14 +237,14 @@ def test_compiled_layers_record_and_roll_like_eager(tmp_path, monkeypatch):
         torch.testing.assert_close(compiled_weights[name], w, rtol=RTOL, atol=RTOL)
 
 
-def saved_for_backward(tmp_path, recipe, model):
+def saved_for_backward(tmp_path, recipe, preset):
     """Bytes (each tensor once) that the compiled layers keep for backward in the second step
     (the delayed recipe's first step after calibrating), under the min-cut partitioner that
     inductor uses (aot_eager_decomp_partition runs its graphs' ops as they are)."""
     import train
     from picotron.data import StepBatches, build_train_val
     torch._dynamo.reset()
-    path = write_config(tmp_path, recipe, TINY + ["--model_name", model,
+    path = write_config(tmp_path, recipe, TINY + ["--model_name", preset,
                                                   "--set", "model.kernels=torch",
                                                   "--set", "training.compile=true"])
     config, pgm, device = train.setup(path)
@@ -264,8 +264,8 @@ def saved_for_backward(tmp_path, recipe, model):
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("model", ["debug", "debug-palm"])
-def test_compiled_layers_keep_no_more_than_tensorwise(tmp_path, monkeypatch, model):
+@pytest.mark.parametrize("preset", ["debug", "debug-palm"])
+def test_compiled_layers_keep_no_more_than_tensorwise(tmp_path, monkeypatch, preset):
     """q/k/v (and gate/up; in PaLM's parallel layer all five) read one x and share its delayed
     site: the compiler merges their casts as it merges tensorwise's, and keeps one x^T in FP8
     for backward. With a site each, the delayed layers kept 3 x C bytes a token more (2.8 GB
@@ -273,6 +273,6 @@ def test_compiled_layers_keep_no_more_than_tensorwise(tmp_path, monkeypatch, mod
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real_compile(
         self, **kw, backend="aot_eager_decomp_partition", fullgraph=True))
-    delayed, tensorwise = (saved_for_backward(tmp_path / model, recipe, model)
+    delayed, tensorwise = (saved_for_backward(tmp_path / preset, recipe, preset)
                            for recipe in ("tensorwise_delayed", "tensorwise"))
     assert delayed <= tensorwise, (delayed, tensorwise)

@@ -122,10 +122,11 @@ def fp8_gemm_error(recipe: str):
 
 # The projections of a branch that read its input (model.py's Attention and MLP): under
 # "tensorwise_delayed" they share one x site, `{branch}.x`, as the fused q/k/v and gate/up of
-# model.kernels="triton" do (in a parallel-residual layer, both branches' `self_attn.x`). Their amaxes are the same numbers either way (one tensor), but
-# sites of their own would be different graph inputs to training.compile: it could not merge
-# their casts of x into one, and kept each cast of x^T for backward (3 x C bytes a token a layer
-# more than "tensorwise", whose casts it merges).
+# model.kernels="triton" do (in a parallel-residual layer, both branches share `self_attn.x`).
+# Their amaxes are the same numbers either way (one tensor), but sites of their own would be
+# different graph inputs to training.compile: it could not merge their casts of x into one,
+# and kept each cast of x^T for backward (3 x C bytes a token a layer more than "tensorwise",
+# whose casts it merges).
 READ_THE_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
