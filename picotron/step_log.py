@@ -31,10 +31,11 @@ from picotron.utils import flops_per_token, format_step, peak_flops
 
 
 def peak_memory_gb(device) -> float:
-    """The most memory this process has held: the CUDA allocator's peak, or on CPU the
-    process's peak resident set."""
+    """The most memory this process has held: the CUDA allocator's peak reservation, or on CPU
+    the process's peak resident set. Reserved, not allocated: a CUDA graph's pool counts as
+    allocated only while it is captured, though the graph holds it from then on."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+        return torch.cuda.max_memory_reserved(device) / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB -> GiB
 
 
