@@ -7,7 +7,8 @@ GPU: the SmolLM presets at seq 2048, the default fast path, a few micro-batches.
 Each (shape, micro-batch) runs in a fresh process (nothing left from the row before):
 train.py's build_training and `--steps` queued steps on synthetic tokens, with
 torch.cuda.max_memory_allocated read from the process's start (weights, AdamW state,
-activations, gradients: everything the estimate counts). One line per row: the estimate,
+activations, gradients: everything the estimate counts; max_memory_reserved under CUDA graphs,
+whose pool counts as allocated only while it is captured). One line per row: the estimate,
 split into what is held all step and the forward and step phases (memory_plan.py says what
 each holds), the measured peak, their ratio, and whether it is within the estimate's stated
 accuracy (15%). A row that runs out of memory prints OOM next to its estimate.
@@ -71,7 +72,10 @@ def child(args):
             train.queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
                              device)
         torch.cuda.synchronize()
-        result["measured"] = torch.cuda.max_memory_allocated() / GiB
+        # under CUDA graphs the allocated peak counts the graphs' pool only while captured
+        # (before AdamW's state exists): what the process reserved is what it held
+        result["measured"] = (torch.cuda.max_memory_reserved() if config.training.cuda_graphs
+                              else torch.cuda.max_memory_allocated()) / GiB
     except torch.OutOfMemoryError:
         result["measured"] = "OOM"
     print("RESULT " + json.dumps(result), flush=True)
