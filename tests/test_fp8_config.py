@@ -1,7 +1,9 @@
 """training.fp8's config and device checks: `none` swaps nothing, the config's refusals (CPU,
-unknown recipe, dtype, sizes not multiples of 16), what "auto" picks, and GPUs
-without FP8 GEMMs refused by name or by the GEMM's own error. The FP8 math is
-tests/test_fp8.py's."""
+unknown recipe, dtype, sizes not multiples of 16), what "auto" picks, GPUs without FP8 GEMMs
+refused by name or by the GEMM's own error, and which projections share a delayed site. The
+FP8 math is tests/test_fp8.py's."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,3 +121,28 @@ def test_what_auto_chose_falls_back_to_bf16_where_torch_cannot_run_it(monkeypatc
     bf16 = fp8_config("none")               # what auto picks below hidden_size 2048: no probe
     bf16.auto_resolved = {"training.fp8": "none"}
     assert settle_auto_fp8(bf16) is None and bf16.training.fp8 == "none"
+
+
+@pytest.mark.parametrize("parallel_residual", [False, True], ids=["llama", "palm"])
+def test_delayed_sites_one_per_input(parallel_residual):
+    """tensorwise_delayed: the projections that read one tensor share its x site (their
+    amaxes are equal, and one graph input lets training.compile merge their casts): q/k/v
+    and gate/up, all five in a parallel-residual layer; o and down read their own inputs,
+    and every projection's dy is its own."""
+    config = fp8_config("tensorwise_delayed")
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, parallel_residual=parallel_residual))
+    model = apply_fp8(Decoder(config.model), config)
+    for key, layer in model.layers.items():
+        attn, mlp = layer.self_attn, layer.mlp
+        x = {name: proj.fp8_sites[0] for name, proj in (
+            ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+            ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}
+        assert x["q"] is x["k"] is x["v"] and x["gate"] is x["up"]
+        assert x["q"].name == f"layers.{key}.self_attn.x"
+        assert (x["gate"] is x["q"]) == parallel_residual
+        assert x["o"].name == f"layers.{key}.self_attn.o_proj.x"
+        assert len({id(site) for site in x.values()}) == (3 if parallel_residual else 4)
+    used = {id(site) for m in model.modules() for site in (getattr(m, "fp8_sites", None) or ())}
+    names = model.fp8_ledger.names
+    assert len(set(names)) == len(names) == len(used)     # every site named once, none unused
