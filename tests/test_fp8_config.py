@@ -76,7 +76,8 @@ def test_auto_picks_fp8_where_it_was_measured_faster(monkeypatch):
     assert auto(distributed={"tp_comm_overlap": True, "sequence_parallel": True}) == "none"
     assert auto(distributed={"dp_size": 2, "pp_size": 2}) == "tensorwise_delayed"
     assert auto(hidden=960, training={"fp8": "rowwise"}) == "rowwise"
-    assert config_from_dict({}, resolve=False).training.fp8 == "auto"     # what create_config writes
+    # what create_config writes
+    assert config_from_dict({}, resolve=False).training.fp8 == "auto"
 
 
 def test_gpus_without_fp8_are_refused(monkeypatch):
