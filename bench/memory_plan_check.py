@@ -73,7 +73,7 @@ def child(args):
                              device)
         torch.cuda.synchronize()
         # under CUDA graphs the allocated peak counts the graphs' pool only while captured
-        # (before AdamW's state exists): what the process reserved is what it held
+        # (bf16 graphs: before AdamW's state exists): what the process reserved is what it held
         result["measured"] = (torch.cuda.max_memory_reserved() if config.training.cuda_graphs
                               else torch.cuda.max_memory_allocated()) / GiB
     except torch.OutOfMemoryError:
