@@ -194,6 +194,28 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
         torch.testing.assert_close(resumed["weights"][name], w, rtol=RTOL, atol=RTOL)
 
 
+def compile_with(monkeypatch, backend):
+    """training.compile's layer.compile() under `backend`, whole graphs only, for one test;
+    dynamo's per-code compile counts start afresh (earlier tests compiled the same layers)."""
+    torch._dynamo.reset()
+    real_compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real_compile(
+        self, **kw, backend=backend, fullgraph=True))
+
+
+def built(tmp_path, name, flags, recipe="tensorwise_delayed"):
+    """One process through train.py's build (TINY + `flags`, training.fp8 = `recipe`, set
+    after loading: the config refuses FP8 on CPU): (model, step -> the step's StepValues)."""
+    import train
+    from picotron.data import StepBatches, build_train_val
+    config, pgm, device = train.setup(write_config(tmp_path, name, TINY + flags))
+    config.training.fp8 = recipe
+    model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
+    batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
+    return model, lambda step: train.queue_step(model, loss_fn, grads, optimizer, batches, step,
+                                                config, pgm, device)
+
+
 def test_compiled_layers_record_and_roll_like_eager(tmp_path, monkeypatch):
     """training.compile: each layer's graph casts with its sites' A_s and records into their
     `seen` as eager does, in forward and in backward, with accumulation (4 layers, two
@@ -204,25 +226,13 @@ def test_compiled_layers_record_and_roll_like_eager(tmp_path, monkeypatch):
     inductor backend that training uses fuses them (other fp32 roundings, so other FP8
     roundings from there on). Records through an index into the shared buffers would rewrite
     the whole buffer from each layer's graph, losing the other layers' records."""
-    import train
-    from picotron.data import StepBatches, build_train_val
-    torch._dynamo.reset()       # the layers' code compiled by earlier tests counts to its limit
-    real_compile = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: real_compile(self, **kw, backend="aot_eager",
-                                                        fullgraph=True))
+    compile_with(monkeypatch, "aot_eager")
     runs = []
     for compiled in (False, True):
-        path = write_config(tmp_path, f"compile{compiled}", TINY + [
+        model, step_of = built(tmp_path, f"compile{compiled}", [
             "--grad_acc_steps", "2", "--num_hidden_layers", "4",
             "--set", f"training.compile={str(compiled).lower()}"])
-        config, pgm, device = train.setup(path)
-        config.training.fp8 = "tensorwise_delayed"
-        model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
-        batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
-        out = [(train.queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
-                                 device).read()["loss"], model.fp8_ledger.state())
-               for step in range(STEPS)]
+        out = [(step_of(step).read()["loss"], model.fp8_ledger.state()) for step in range(STEPS)]
         with torch.no_grad():       # a validation-like forward of another shape records nothing
             logits = model(torch.arange(3 * 16).view(3, 16) % 64)
         assert not model.fp8_ledger.seen.any()      # rolled before it, and nothing recorded
@@ -241,16 +251,9 @@ def saved_for_backward(tmp_path, recipe, preset):
     """Bytes (each tensor once) that the compiled layers keep for backward in the second step
     (the delayed recipe's first step after calibrating), under the min-cut partitioner that
     inductor uses (aot_eager_decomp_partition runs its graphs' ops as they are)."""
-    import train
-    from picotron.data import StepBatches, build_train_val
     torch._dynamo.reset()
-    path = write_config(tmp_path, recipe, TINY + ["--model_name", preset,
-                                                  "--set", "model.kernels=torch",
-                                                  "--set", "training.compile=true"])
-    config, pgm, device = train.setup(path)
-    config.training.fp8 = recipe
-    model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
-    batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
+    _, step_of = built(tmp_path, recipe, ["--model_name", preset, "--set", "model.kernels=torch",
+                                          "--set", "training.compile=true"], recipe)
     saved = {}
 
     def keep(t):
@@ -259,8 +262,7 @@ def saved_for_backward(tmp_path, recipe, preset):
     for step in range(2):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             saved.clear()
-            train.queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
-                             device).read()
+            step_of(step).read()
     return sum(saved.values())
 
 
@@ -270,9 +272,7 @@ def test_compiled_layers_keep_no_more_than_tensorwise(tmp_path, monkeypatch, pre
     site: the compiler merges their casts as it merges tensorwise's, and keeps one x^T in FP8
     for backward. With a site each, the delayed layers kept 3 x C bytes a token more (2.8 GB
     at SmolLM-360M), and PaLM's 4 x C."""
-    real_compile = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real_compile(
-        self, **kw, backend="aot_eager_decomp_partition", fullgraph=True))
+    compile_with(monkeypatch, "aot_eager_decomp_partition")
     delayed, tensorwise = (saved_for_backward(tmp_path / preset, recipe, preset)
                            for recipe in ("tensorwise_delayed", "tensorwise"))
     assert delayed <= tensorwise, (delayed, tensorwise)
