@@ -13,7 +13,8 @@ from launch import ROOT
 from picotron.attention import eager_attention, sdpa_attention
 from picotron.config import config_from_dict
 from picotron.memory_activations import in_flight, layer_bytes, rank_layer_spans
-from picotron.memory_plan import GiB, estimate, fp8_auto_note, memory_errors, rank_params
+from picotron.memory_plan import (GiB, describe, estimate, fp8_auto_note, memory_errors,
+                                   rank_params)
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel.schedules import peak_alive, schedule_orders
 from picotron.pipeline_parallel.stage import rank_chunks
@@ -159,6 +160,24 @@ def test_a_plan_made_without_an_fp8_gpu_says_what_auto_adds_on_one(monkeypatch):
     assert fp8_auto_note(config(), estimate(config())) is None              # hidden 256
     cpu = config_from_dict({**wide, "distributed": {"use_cpu": True}})
     assert fp8_auto_note(cpu, estimate(cpu)) is None
+
+
+def test_under_cuda_graphs_the_step_is_counted_beside_the_activations():
+    """A graphs run holds its layers' activations in the graphs' private pool, which the
+    eager work at the step's end cannot reuse (measured on a GPU by bench/memory_plan_check.py:
+    max_memory_reserved): the same rows, totalled held + forward + step instead of
+    held + max(forward, step)."""
+    gpu = {"model": MEASURED["model"], "dataset": {"name": "synthetic"},
+           "training": {**MEASURED["training"], "dtype": "bfloat16"}}
+    eager = estimate(config({"training.cuda_graphs": False}, base=gpu))
+    graphs = estimate(config({"training.cuda_graphs": True}, base=gpu))
+    assert [tuple(r) for r in graphs.rows] == [tuple(r) for r in eager.rows]
+    held, forward, step = (sum(r.bytes for r in eager.rows if r.when == w)
+                           for w in ("held", "forward", "step"))
+    assert step > 0 and forward > 0
+    assert eager.device_bytes == held + max(forward, step)
+    assert graphs.device_bytes == held + forward + step
+    assert "held + forward + step: CUDA graphs" in describe(graphs)
 
 
 def test_refusal_names_the_biggest_parts_and_what_would_fit():
