@@ -212,7 +212,7 @@ def steps(args):
         for label, r in results.items():
             if ref:
                 print(f"  {label:34s} {r[0] / ref[0]:.2f}x HF+Liger tokens/s, "
-                      f"{r[1] / ref[1]:.2f}x its peak memory")
+                      f"{r[1] / ref[1]:.2f}x its peak memory, {r[4] / ref[4]:.2f}x its held")
 
 
 def main():

@@ -271,7 +271,8 @@ def main():
             ratios = sorted(r[0] / h[0] for r, h in zip(rs, ref))   # within each round
             spread = f" (rounds: {', '.join(f'{x:.3f}' for x in ratios)})" if len(rs) > 1 else ""
             emit(f"  {label:36s} {statistics.median(ratios):.2f}x HF+Liger tokens/s{spread}, "
-                 f"{max(r[1] for r in rs) / max(h[1] for h in ref):.2f}x its peak memory")
+                 f"{max(r[1] for r in rs) / max(h[1] for h in ref):.2f}x its peak memory, "
+                 f"{max(r[4] for r in rs) / max(h[4] for h in ref):.2f}x its held")
     if args.largest_batch:          # after every shape's table: the costly part
         import largest_batch
         emit("")
