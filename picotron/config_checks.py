@@ -150,7 +150,7 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
         errors.append(f"training.cuda_graphs={t.cuda_graphs!r} must be true, false or 'auto'")
     elif t.cuda_graphs is True:         # "auto" is left only when other errors stopped it
         errors += cuda_graph_problems(d, t, m)
-    if t.fp8 != "none":
+    if t.fp8 not in ("none", "auto"):  # "auto" never refuses; left only when errors stopped it
         errors += fp8_problems(config)
     if t.dtype not in DTYPES:
         errors.append(f"training.dtype='{t.dtype}' must be one of {DTYPES}")

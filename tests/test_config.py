@@ -47,6 +47,8 @@ def test_create_config_refuses_before_writing(tmp_path, capsys, monkeypatch, fla
     for word in words:
         assert word in message, (word, message)
     assert "Traceback" not in message
+    blamed = [line.split("valid keys:")[0] for line in message.splitlines()]
+    assert not any("='auto'" in line for line in blamed), message   # "auto" is never at fault
     assert not (tmp_path / "bad").exists()
 
 
