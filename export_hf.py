@@ -12,7 +12,7 @@ import sys
 
 from picotron.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.data import DataError
-from picotron.hf_io import export_hf
+from picotron.hf_io import ExportError, check_export_dir, export_hf
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "latest complete checkpoint), e.g. tmp/debug/checkpoints")
     p.add_argument("--out", required=True,
                    help="the Hugging Face model directory to write (config.json, "
-                        "model.safetensors, the tokenizer's files), e.g. tmp/debug/hf")
+                        "model.safetensors, the tokenizer's files): new, empty, or an earlier "
+                        "export, never a directory of other files; e.g. tmp/debug-hf")
     p.add_argument("--tokenizer",
                    help="a tokenizer (hub id or directory) to ship instead of the run's own "
                         "(default: the run's: byte-level, or the one it trained with)")
@@ -33,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        check_export_dir(args.out)                       # before reading any weights
         path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         print(export_hf(path, args.out, args.tokenizer))
-    except (CheckpointError, DataError) as e:
+    except (CheckpointError, DataError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, low in (("max_new_tokens", 0), ("temperature", 0), ("top_k", 0)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name} {getattr(args, name)} must be >= {low} (see --help)")
     if args.device == "cpu":
         set_cpu_threads(1)           # one process: every core this machine lets it use
     try:

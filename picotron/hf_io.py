@@ -135,12 +135,41 @@ def hf_config(model: dict, dtype: str, bos, eos) -> dict:
             "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype, "use_cache": True}
 
 
+class ExportError(ValueError):
+    """An export directory whose files the export would overwrite."""
+
+
+def check_export_dir(out_dir: str) -> None:
+    """An export writes config.json, model.safetensors and the tokenizer's files: into a new or
+    empty directory, or over an earlier export (a config.json with a `model_type`), never over
+    anything else, such as a run's own config.json or its checkpoints."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ExportError(f"the export directory '{out_dir}' is a file; give a directory "
+                          f"to create, e.g. tmp/debug-hf")
+    present = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if not present:
+        return
+    try:
+        with open(os.path.join(out_dir, "config.json")) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):
+        earlier = None
+    if not (isinstance(earlier, dict) and "model_type" in earlier):
+        raise ExportError(f"the export directory '{out_dir}' already holds files that are not "
+                          f"a Hugging Face export ({', '.join(present[:4])}"
+                          f"{', ...' if len(present) > 4 else ''}), which the export would "
+                          f"overwrite; give a new or empty directory, e.g. "
+                          f"'{out_dir.rstrip(os.sep)}-hf'")
+
+
 def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` and
-    `AutoTokenizer.from_pretrained(out_dir)` load the checkpoint's model and tokenizer."""
+    `AutoTokenizer.from_pretrained(out_dir)` load the checkpoint's model and tokenizer.
+    Refused (ExportError) where it would overwrite other files (check_export_dir)."""
     from safetensors.torch import save_file
 
     from picotron.tokenizer import load_tokenizer, save_byte_tokenizer, tokenizer_source
+    check_export_dir(out_dir)
     config = checkpoint_config(checkpoint_dir)
     m = config.model
     hf_cohere.check_exportable(m)          # Llama, or PaLM-style as CohereForCausalLM

@@ -188,6 +188,36 @@ def test_byte_level_export_loads_with_its_tokenizer(tmp_path):
         hf_greedy(back, prompt, 16, 0)
 
 
+def test_export_never_overwrites_other_files(tmp_path, capsys):
+    """A run's own directory (its config.json) or a file as --out is refused, said once, with
+    the files untouched; a new directory or an earlier export is written."""
+    import export_hf as cli
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"model": {}}')
+    for out, words in ((run, "not a Hugging Face export (config.json)"),
+                       (run / "config.json", "is a file")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["--checkpoint", ckpt, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and words in err and "Traceback" not in err, err
+    assert os.listdir(run) == ["config.json"] and \
+        (run / "config.json").read_text() == '{"model": {}}'
+    out = export_hf(ckpt, str(tmp_path / "export"))
+    assert export_hf(ckpt, out) == out                       # over an earlier export
+
+
+@pytest.mark.parametrize("flag,value", [("--top_k", "-1"), ("--temperature", "-0.5"),
+                                        ("--max_new_tokens", "-3")])
+def test_generate_refuses_negative_sampling_options(capsys, flag, value):
+    import generate as cli
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--checkpoint", "unused", flag, value])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"{flag} {value} must be >= 0" in err, err
+
+
 class FixedLogits(nn.Module):
     """A stand-in model whose next-token logits are always `logits` (V,)."""
 
