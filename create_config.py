@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from picotron.checkpoint import existing_run
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.overrides import apply_overrides
 from picotron.preflight import local_problems
@@ -159,10 +160,19 @@ def main(argv=None) -> str:
         if problems:
             raise ConfigError("the SLURM allocation does not fit the config:\n  - "
                               + "\n  - ".join(problems))
+        if args.exp_name in ("", ".", "..") or "/" in args.exp_name or os.sep in args.exp_name:
+            raise ConfigError(f"--exp_name '{args.exp_name}' must name one folder inside "
+                              f"--out_dir (no '/', not '.' or '..'), e.g. --exp_name debug")
+        run_dir = os.path.join(args.out_dir, args.exp_name)
+        outputs = config.logging.run_dir or run_dir
+        held = existing_run(outputs, os.path.join(outputs, config.checkpoint.save_dir))
+        if held:      # their config.json is what a resume checks the checkpoints against
+            raise ConfigError(f"'{outputs}' already holds a run ({held}); write the new "
+                              f"config to another --exp_name, or resume that run with its own "
+                              f"config.json and train.py --set section.key=value")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    run_dir = os.path.join(args.out_dir, args.exp_name)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")
     config.save(path)

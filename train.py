@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from picotron.attention import resolve_attention
-from picotron.checkpoint import CheckpointError, CheckpointSaver, resume, save_root
+from picotron.checkpoint import (CheckpointError, CheckpointSaver, check_new_run, resume,
+                                 save_root)
 from picotron.config import ConfigError, MissingPackage, load_config
 from picotron.config_ranges import check_output_dirs
 from picotron.context_parallel import apply_context_parallel
@@ -189,6 +190,8 @@ def main(argv=None):
     set_seed(t.seed)
     run_dir = config.logging.run_dir or os.path.dirname(os.path.abspath(args.config))
     check_output_dirs(config, run_dir)     # a folder that cannot be written: refused now
+    if not config.checkpoint.load_path:    # and a new run over an earlier one's outputs
+        check_new_run(run_dir, save_root(config, run_dir))
     import_loggers(config)                 # and a logger whose package is missing
     watchdog = Watchdog(config)            # a dead or frozen rank, a dead launcher, SIGTERM
     watchdog.start()

@@ -37,7 +37,9 @@ from safetensors import safe_open
 
 from picotron.async_save import CheckpointSaver
 from picotron.checkpoint_changes import check_model_shape, check_resume
-from picotron.checkpoint_verify import STATE_FILE, directory_problems
+from picotron.checkpoint_verify import (STATE_FILE, directory_problems, latest_written,
+                                        step_names)
+from picotron.errors import ConfigError
 from picotron.shards import (CheckpointError, index_shards, load_full_weights,  # noqa: F401
                              read_slice, shard_metadata, slice_bounds)
 
@@ -56,10 +58,7 @@ def complete_checkpoints(save_root: str) -> list:
 
 
 def _step_dirs(save_root: str) -> list:
-    if not os.path.isdir(save_root):
-        return []
-    return [os.path.join(save_root, d) for d in sorted(os.listdir(save_root))
-            if d.startswith("step_") and d[5:].isdigit()]
+    return [os.path.join(save_root, d) for d in step_names(save_root)]
 
 
 def _verified(directory: str, pgm=None) -> tuple:
@@ -76,22 +75,28 @@ def _verified(directory: str, pgm=None) -> tuple:
 
 def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> tuple:
     """(directory, state, saved config) to resume from; (None, None, None) for "latest" when
-    nothing was saved yet. "latest" is the newest checkpoint that is complete and valid; each
-    newer one skipped is named with the reason (a warning on stderr). A checkpoint named
+    nothing was saved yet. "latest" is the last checkpoint written (the `latest` file's) if it
+    is complete and valid, else the newest one by step that is; each one skipped is named with
+    the reason (a warning on stderr). A checkpoint named
     explicitly is refused if anything is wrong with it. Collective when `pgm` is given."""
     if load_path != "latest":
         path = load_path if os.path.isabs(load_path) else os.path.join(run_dir, load_path)
         if not os.path.isdir(path):
-            found = [os.path.basename(d) for d in complete_checkpoints(save_root)]
+            found = [os.path.relpath(d, run_dir) for d in complete_checkpoints(save_root)]
             raise CheckpointError(f"checkpoint.load_path='{load_path}' ({path}) is not a "
-                                  f"directory; checkpoints under {save_root}: "
-                                  f"{found or 'none'}; or use 'latest'")
+                                  f"directory; a relative path starts at the run directory, "
+                                  f"which holds {found or 'no checkpoint'}; or use 'latest'")
         state, saved, problems = _verified(path, pgm)
         if problems:
             raise CheckpointError("; ".join(problems))
         return path, state, saved
-    skipped = []
-    for candidate in reversed(_step_dirs(save_root)):
+    skipped, candidates = [], _step_dirs(save_root)[::-1]
+    written = latest_written(save_root)
+    for i, candidate in enumerate(candidates):    # after a resume from an older checkpoint,
+        if os.path.basename(candidate) == written:  # the steps above it are another history
+            candidates.insert(0, candidates.pop(i))
+            break
+    for candidate in candidates:
         state, saved, problems = _verified(candidate, pgm)
         if not problems:
             if skipped and (pgm is None or pgm.global_rank == 0):
@@ -101,9 +106,32 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
         skipped.append(f"{os.path.basename(candidate)} ({'; '.join(problems)})")
     if skipped:      # checkpoints exist but none can be trusted: never start over silently
         raise CheckpointError(f"no valid checkpoint under {save_root}: {'; '.join(skipped)}; "
-                              f"repair or remove them, or set checkpoint.load_path to null "
-                              f"to start a new run")
+                              f"repair or remove them, or start a new run in another "
+                              f"directory")
     return None, None, None
+
+
+def existing_run(run_dir: str, save_root: str):
+    """What a run directory already holds of an earlier run (its complete checkpoints, a
+    metrics.jsonl with records), or None: a new run there would overwrite them."""
+    held = [os.path.basename(d) for d in complete_checkpoints(save_root)]
+    what = [f"checkpoints {held[0]} to {held[-1]}" if len(held) > 1 else f"checkpoint {held[0]}"
+            ] if held else []
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        what.append("metrics.jsonl")
+    return ", ".join(what) or None
+
+
+def check_new_run(run_dir: str, save_root: str) -> None:
+    """Refuse to start a run (checkpoint.load_path null) over an earlier one's outputs."""
+    held = existing_run(run_dir, save_root)
+    if held:
+        raise ConfigError(f"the run directory '{run_dir}' already holds a run ({held}), which "
+                          f"a new run would overwrite; resume it with --set "
+                          f"checkpoint.load_path=latest, or start the new run in another "
+                          f"directory (create_config.py --exp_name OTHER, or --set "
+                          f"logging.run_dir=OTHER), or move those files away")
 
 
 def resolve_checkpoint(load_path: str, save_root: str, run_dir: str):
@@ -205,7 +233,9 @@ def _load(directory: str, state: dict, model, optimizer, pgm):
                 p.copy_(values[n])
         if optimizer is not None:
             optimizer.load_param_state(opt_state)   # moments and masters into this rank's shards
-            if "loss_scale" in state:
+            # a scale saved by an fp16 run; another dtype's is 1 (no scaling), and an fp16
+            # run resumed from it starts at training.initial_loss_scale instead
+            if "loss_scale" in state and state["config"]["training"]["dtype"] == "float16":
                 optimizer.scaler.load_state_dict(state["loss_scale"])
         if rng is not None:
             _set_rng(rng)

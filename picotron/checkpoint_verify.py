@@ -24,6 +24,25 @@ from picotron.shards import CheckpointError, sha256
 
 FORMAT_VERSION = 2      # 2: RNG states in safetensors, a self-checksum, the accepted changes
 STATE_FILE = "state.json"
+
+
+def step_names(save_root: str) -> list:
+    """The step_N directory names under save_root, by step (as numbers: step_1000000 comes
+    after step_999999, which a sort of the names would not give)."""
+    if not os.path.isdir(save_root):
+        return []
+    names = [d for d in os.listdir(save_root) if d.startswith("step_") and d[5:].isdigit()]
+    return sorted(names, key=lambda d: int(d[5:]))
+
+
+def latest_written(save_root: str):
+    """The step directory name that save_root's `latest` file names (the last checkpoint
+    written, which after a resume from an older one is not the highest step), or None."""
+    try:
+        with open(os.path.join(save_root, "latest")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 NULL = type(None)
 # The saved config's settings that the checks below and a resume compare
 # (picotron/checkpoint_changes.py), with their JSON types. They are read one by one, not

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from picotron.checkpoint_verify import FORMAT_VERSION, STATE_FILE, state_checksum
+from picotron.checkpoint_verify import (FORMAT_VERSION, STATE_FILE, state_checksum,
+                                        step_names)
 from picotron.shards import CheckpointError, slice_bounds, write_shard
 
 
@@ -200,10 +201,9 @@ def _finish(snap: Snapshot) -> None:
     os.rename(tmp, snap.directory)
     save_root = os.path.dirname(snap.directory)
     atomic_write(os.path.join(save_root, "latest"), os.path.basename(snap.directory) + "\n")
-    if snap.keep_last:
-        names = sorted(d for d in os.listdir(save_root) if d.startswith("step_")
-                       and d[5:].isdigit())
-        for old in names[:-snap.keep_last]:
+    if snap.keep_last:     # the one just written, and the newest keep_last - 1 others by step
+        others = [d for d in step_names(save_root) if d != os.path.basename(snap.directory)]
+        for old in others[:max(0, len(others) - (snap.keep_last - 1))]:
             remove_checkpoint(os.path.join(save_root, old))
     for debris in glob.glob(os.path.join(save_root, "step_*.tmp")) + glob.glob(
             os.path.join(save_root, "step_*.deleting")):      # left by earlier crashes
