@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from picotron.checkpoint import CheckpointError, checkpoint_to_read
+from picotron.config import ConfigError
 from picotron.data import DataError
 from picotron.hf_io import ExportError, check_export_dir, export_hf
 
@@ -37,7 +38,7 @@ def main(argv=None):
         check_export_dir(args.out)                       # before reading any weights
         path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         print(export_hf(path, args.out, args.tokenizer))
-    except (CheckpointError, DataError, ExportError) as e:
+    except (CheckpointError, ConfigError, DataError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

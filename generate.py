@@ -13,6 +13,7 @@ import sys
 import torch
 
 from picotron.checkpoint import CheckpointError, checkpoint_to_read
+from picotron.config import ConfigError
 from picotron.data import DataError
 from picotron.generate import load_for_inference, sample
 from picotron.tokenizer import load_tokenizer, tokenizer_source
@@ -46,16 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name, low in (("max_new_tokens", 0), ("temperature", 0), ("top_k", 0)):
-        if getattr(args, name) < low:
-            parser.error(f"--{name} {getattr(args, name)} must be >= {low} (see --help)")
+    for name in ("max_new_tokens", "temperature", "top_k"):
+        value = getattr(args, name)
+        if not 0 <= value < float("inf"):          # NaN too
+            parser.error(f"--{name} {value} must be a finite number >= 0 (see --help)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device; give cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} needs a CUDA GPU, and none is visible; give cpu")
     if args.device == "cpu":
         set_cpu_threads(1)           # one process: every core this machine lets it use
     try:
         path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         model, config = load_for_inference(path, args.device)
         tokenizer = load_tokenizer(tokenizer_source(config))
-    except (CheckpointError, DataError) as e:
+    except (CheckpointError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     prompt = torch.tensor(tokenizer.encode(args.prompt), dtype=torch.long)

@@ -182,13 +182,16 @@ def source_errors(config) -> list:
 
 def check_output_dirs(config, run_dir: str) -> None:
     """Refuse a run whose folders cannot be written (called once the run directory is known,
-    before anything is built): the run directory (metrics, launches) and, when checkpoints
-    are written, checkpoint.save_dir. Each must be a folder, or be creatable in the nearest
+    before anything is built): the run directory (metrics, launches), when checkpoints are
+    written checkpoint.save_dir, and dataset.cache_dir when it is set. Each must be a folder, or be creatable in the nearest
     folder above it that exists, with no file in the way."""
     c = config.checkpoint
     folders = [("the run directory (logging.run_dir, else the config file's folder)", run_dir)]
     if c.save_frequency or c.save_final:
         folders.append(("checkpoint.save_dir", os.path.join(run_dir, c.save_dir)))
+    if config.dataset.cache_dir:        # token_cache.cache_dir: relative to the run directory
+        folders.append(("dataset.cache_dir", os.path.join(
+            run_dir, os.path.expanduser(config.dataset.cache_dir))))
     problems = []
     for what, folder in folders:
         problem = unwritable(folder)

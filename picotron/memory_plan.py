@@ -20,6 +20,7 @@ tests/test_memory_plan.py measures its accuracy on CPU and bench/memory_plan_che
 """
 import copy
 import os
+import sys
 from collections import namedtuple
 
 import torch
@@ -183,7 +184,11 @@ def main(argv=None):
     from picotron.config import load_config
     p = argparse.ArgumentParser(description="Print the memory estimate of a config.json.")
     p.add_argument("config", help="path to a config.json (create_config.py writes one)")
-    config = load_config(p.parse_args(argv).config)
+    try:
+        config = load_config(p.parse_args(argv).config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     e = estimate(config)
     print(describe(e))
     note = fp8_auto_note(config, e)

@@ -120,11 +120,16 @@ def load_full_weights(directory: str) -> dict:
 
 
 def checkpoint_config(directory: str):
-    """The Config a checkpoint was trained with (from its state.json)."""
+    """The Config a checkpoint was trained with (from its state.json), for reading its weights:
+    where the run's first weights came from (checkpoint.init_from) is not checked, since the
+    checkpoint holds its own (that folder may have moved since)."""
     from picotron.config import config_from_dict
     try:
         with open(os.path.join(directory, "state.json")) as f:
-            return config_from_dict(json.load(f)["config"])
+            raw = json.load(f)["config"]
+        if isinstance(raw, dict) and isinstance(raw.get("checkpoint"), dict):
+            raw["checkpoint"]["init_from"] = None
+        return config_from_dict(raw)
     except OSError as e:
         raise CheckpointError(f"{directory} is not a complete checkpoint ({e}); give a "
                               f"step_* directory that holds a state.json") from None

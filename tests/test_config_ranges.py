@@ -168,6 +168,11 @@ def test_output_folders_must_be_writable(tmp_path, monkeypatch):
         check_output_dirs(config, str(run))
     quiet = config_from_dict({"checkpoint": {"save_frequency": 0, "save_final": False}})
     check_output_dirs(quiet, str(run))                # no checkpoint: save_dir is never used
+    (run / "cache").write_text("")                    # a token cache folder that is a file
+    cached = config_from_dict({"checkpoint": {"save_final": False},
+                               "dataset": {"cache_dir": "cache"}})
+    with pytest.raises(ConfigError, match="dataset.cache_dir .*cache' is not a folder"):
+        check_output_dirs(cached, str(run))
     # root may write anywhere, so a folder without write permission is played by os.access
     real = os.access
     monkeypatch.setattr(config_ranges.os, "access",

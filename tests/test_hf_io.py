@@ -188,6 +188,21 @@ def test_byte_level_export_loads_with_its_tokenizer(tmp_path):
         hf_greedy(back, prompt, 16, 0)
 
 
+def test_a_checkpoint_reads_after_the_folder_it_started_from_moved(tmp_path):
+    """A fine-tune's checkpoint.init_from (the Hugging Face folder of its first weights) is
+    not needed to sample or export: its weights are in the checkpoint."""
+    config = Config()
+    config.model.hidden_size, config.model.intermediate_size = 32, 64
+    config.model.num_hidden_layers = 2
+    config.checkpoint.init_from = str(tmp_path / "moved-away")
+    model = our_model(config.model, seed=3)
+    ckpt = save_checkpoint(model, None, one_process_group(), config, str(tmp_path / "ckpt"), 1,
+                           {"tokens_seen": 0, "data": {}})
+    ours, _ = load_for_inference(ckpt)
+    assert torch.equal(ours.embed_tokens.weight, model.embed_tokens.weight)
+    assert os.path.isdir(export_hf(ckpt, str(tmp_path / "export")))
+
+
 def test_export_never_overwrites_other_files(tmp_path, capsys):
     """A run's own directory (its config.json) or a file as --out is refused, said once, with
     the files untouched; a new directory or an earlier export is written."""
@@ -208,14 +223,22 @@ def test_export_never_overwrites_other_files(tmp_path, capsys):
     assert export_hf(ckpt, out) == out                       # over an earlier export
 
 
-@pytest.mark.parametrize("flag,value", [("--top_k", "-1"), ("--temperature", "-0.5"),
-                                        ("--max_new_tokens", "-3")])
-def test_generate_refuses_negative_sampling_options(capsys, flag, value):
+BAD_SAMPLING = [("--top_k", "-1", "--top_k -1 must be a finite number >= 0"),
+                ("--temperature", "-0.5", "--temperature -0.5 must be"),
+                ("--temperature", "nan", "--temperature nan must be"),
+                ("--max_new_tokens", "-3", "--max_new_tokens -3 must be"),
+                ("--device", "foo", "--device 'foo' is not a device")]
+if not torch.cuda.is_available():        # where a GPU is visible, cuda:0 is a good device
+    BAD_SAMPLING.append(("--device", "cuda:0", "needs a CUDA GPU, and none is visible"))
+
+
+@pytest.mark.parametrize("flag,value,words", BAD_SAMPLING)
+def test_generate_refuses_bad_sampling_options(capsys, flag, value, words):
     import generate as cli
     with pytest.raises(SystemExit) as stopped:
         cli.main(["--checkpoint", "unused", flag, value])
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and f"{flag} {value} must be >= 0" in err, err
+    assert stopped.value.code == 2 and words in err, err
 
 
 class FixedLogits(nn.Module):

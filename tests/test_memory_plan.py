@@ -234,3 +234,15 @@ def test_train_refuses_absurd_sizes_quickly_without_allocating(tmp_path):
     assert len(errors) == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert all(e.startswith("error: this config needs an estimated") for e in errors), errors
     assert int(proc.stdout.split("RSS")[1]) < 2 * 2 ** 20      # KiB: under 2 GiB
+
+
+def test_the_command_line_names_a_bad_config_without_a_traceback(tmp_path, capsys):
+    from picotron.memory_plan import main
+    bad = tmp_path / "config.json"
+    bad.write_text("[1, 2]")
+    for path, words in ((str(tmp_path / "missing.json"), "missing.json' does not exist"),
+                        (str(bad), "must be a JSON object, got list")):
+        with pytest.raises(SystemExit) as stopped:
+            main([path])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith("error: ") and words in err, err
