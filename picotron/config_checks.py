@@ -111,7 +111,9 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
                               f"{d.tp_size}*{d.cp_size}; use cp_mode='ring' or other sizes")
     if t.seq_length > m.max_position_embeddings:
         errors.append(f"training.seq_length={t.seq_length} > model.max_position_embeddings="
-                      f"{m.max_position_embeddings}")
+                      f"{m.max_position_embeddings} (the longest sequence the model is built "
+                      f"for); shorten the sequence, or raise model.max_position_embeddings "
+                      f"(RoPE extends to it; a pretrained model was trained only up to its own)")
     if m.norm_type not in NORM_TYPES:
         errors.append(f"model.norm_type='{m.norm_type}' must be one of {NORM_TYPES}")
     if m.attn_implementation not in ATTN_IMPLEMENTATIONS:

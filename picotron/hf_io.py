@@ -176,13 +176,15 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     weights = load_full_weights(checkpoint_dir)
     if hf_cohere.is_palm_style(m):
         weights = hf_cohere.cohere_weights(weights, m.hidden_size // m.num_attention_heads)
-    os.makedirs(out_dir, exist_ok=True)
     source = tokenizer or tokenizer_source(config)
-    if source == "byte":
+    # loaded before anything is written: a tokenizer that cannot be loaded leaves no folder
+    tok = None if source == "byte" else load_tokenizer(
+        source, "give --tokenizer" if tokenizer else "set dataset.tokenizer to").tok
+    os.makedirs(out_dir, exist_ok=True)
+    if tok is None:
         save_byte_tokenizer(out_dir)
         bos, eos = None, 0
     else:
-        tok = load_tokenizer(source).tok
         tok.save_pretrained(out_dir)
         bos, eos = tok.bos_token_id, tok.eos_token_id
     dtype = str(next(iter(weights.values())).dtype).replace("torch.", "")

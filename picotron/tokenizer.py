@@ -81,8 +81,9 @@ def tokenizer_source(config):
                          f"dataset.tokenizer to a Hugging Face tokenizer id or path, or 'byte'")
 
 
-def load_tokenizer(source: str):
-    """ByteTokenizer for "byte", else the Hugging Face tokenizer at `source` (path or hub id)."""
+def load_tokenizer(source: str, fix: str = "set dataset.tokenizer to"):
+    """ByteTokenizer for "byte", else the Hugging Face tokenizer at `source` (path or hub id).
+    `fix`: how the user names the tokenizer, for the error's fix."""
     if source == "byte":
         return ByteTokenizer()
     try:
@@ -94,7 +95,7 @@ def load_tokenizer(source: str):
         where = "the local path" if os.path.exists(source) else "the Hugging Face hub id"
         raise TokenizerError(f"could not load a tokenizer from {where} '{source}' "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''});"
-                             f" set dataset.tokenizer to a tokenizer id or directory, or 'byte'"
+                             f" {fix} a tokenizer id or directory, or 'byte'"
                              ) from None
 
 

@@ -30,6 +30,8 @@ BAD_FLAGS = [  # (flags, words the message must contain)
     (["--model_name", "SmolLM-36OM"], ["could not be fetched", "did you mean 'SmolLM-360M'"]),
     (["--set", "model.attn_implementation=flash_attention_2"], ["flash_attention_2",
                                                                 "use_cpu", "'sdpa'"]),
+    (["--seq_len", "4096"], ["seq_length=4096 > model.max_position_embeddings=2048",
+                             "shorten the sequence, or raise model.max_position_embeddings"]),
 ]
 
 

@@ -14,7 +14,7 @@ from launch import ROOT, launch, read_metrics, write_config
 from tiny import documents, one_process_group, tiny_llama, tiny_tokenizer
 from picotron.checkpoint import CheckpointError, save_checkpoint
 from picotron.config import Config, ModelConfig
-from picotron.data import build_data, micro_batch
+from picotron.data import DataError, build_data, micro_batch
 from picotron.generate import filter_top_k, load_for_inference, sample
 from picotron.hf_io import export_hf, load_hf_weights
 from picotron.loss import causal_lm_loss
@@ -221,6 +221,9 @@ def test_export_never_overwrites_other_files(tmp_path, capsys):
         (run / "config.json").read_text() == '{"model": {}}'
     out = export_hf(ckpt, str(tmp_path / "export"))
     assert export_hf(ckpt, out) == out                       # over an earlier export
+    with pytest.raises(DataError, match="give --tokenizer a tokenizer id"):
+        export_hf(ckpt, str(tmp_path / "untouched"), tokenizer=str(tmp_path / "nope"))
+    assert not (tmp_path / "untouched").exists()             # nothing written before that
 
 
 BAD_SAMPLING = [("--top_k", "-1", "--top_k -1 must be a finite number >= 0"),
