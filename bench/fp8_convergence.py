@@ -22,6 +22,7 @@ Measured: bench/NOTES.md (the PNG beside it).
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -42,6 +43,8 @@ def free_port() -> int:
 
 def train(args, recipe: str, name: str):
     """One run's step records, or a string saying why there are none."""
+    # a run of this name from an earlier call of the bench: train.py would not start over it
+    shutil.rmtree(os.path.join(args.out, "runs", f"fp8-{name}"), ignore_errors=True)
     path = create_config.main([
         "--out_dir", os.path.join(args.out, "runs"), "--exp_name", f"fp8-{name}",
         "--model_name", args.model_name, "--dataset_name", "embedded", "--mbs", str(args.mbs),

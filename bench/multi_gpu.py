@@ -121,6 +121,7 @@ def free_port():
 def train(args, name, world, flags, timeout=900):
     """create_config.py + torchrun train.py; the run's metrics records, or an error string."""
     out = os.path.join(args.out, "runs")
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)   # an earlier call's run
     try:
         with contextlib.redirect_stdout(io.StringIO()):      # it prints the config's path
             path = create_config.main(["--out_dir", out, "--exp_name", name]

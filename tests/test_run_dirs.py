@@ -53,7 +53,8 @@ def test_a_new_run_or_config_over_an_earlier_run_is_refused(earlier_run, capsys)
 
 def test_a_resume_from_an_older_checkpoint_keeps_what_it_writes(earlier_run, tmp_path):
     """Resumed from step 2 to 3 with keep_last=1: step_000003 is kept (the abandoned step 4
-    goes), `latest` resumes from it, and so do generate.py and export_hf.py."""
+    goes). Without keep_last, `latest` (also what generate.py and export_hf.py read, through
+    resolve_checkpoint) is step 3, not the abandoned step 4."""
     run_dir = os.path.dirname(earlier_run)
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
