@@ -183,8 +183,8 @@ def source_errors(config) -> list:
 def check_output_dirs(config, run_dir: str) -> None:
     """Refuse a run whose folders cannot be written (called once the run directory is known,
     before anything is built): the run directory (metrics, launches), when checkpoints are
-    written checkpoint.save_dir, and dataset.cache_dir when it is set. Each must be a folder, or be creatable in the nearest
-    folder above it that exists, with no file in the way."""
+    written checkpoint.save_dir, and dataset.cache_dir when it is set. Each must be a folder,
+    or be creatable in the nearest folder above it that exists, with no file in the way."""
     c = config.checkpoint
     folders = [("the run directory (logging.run_dir, else the config file's folder)", run_dir)]
     if c.save_frequency or c.save_final:
