@@ -4,6 +4,8 @@ A resume continues the run that wrote the checkpoint: the same model, the same s
 the same order, the same batches. A config that differs in a setting that changes those is
 another run under the old name, so it is refused, naming each setting and the fix:
 - the model's shape: the weights do not fit, never accepted (start a new run);
+- the model's `rope_theta` and `rms_norm_eps`: the same weights would compute another
+  function (a context extension may mean it): accepted only when listed, as below;
 - `training.seed` (the data order), `training.seq_length` and the dataset settings (which
   windows exist), the global batch (which samples each step takes), and the number of
   windows the dataset holds (the same settings reading changed files): accepted only when
@@ -11,7 +13,7 @@ another run under the old name, so it is refused, naming each setting and the fi
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.
 """
-from picotron.checkpoint_verify import SAVED_SETTINGS, CheckpointError
+from picotron.checkpoint_verify import FUNCTION_SETTINGS, SAVED_SETTINGS, CheckpointError
 
 # Model fields that fix the shapes of the weights; dataset fields that pick the windows.
 SHAPE_FIELDS = tuple(k[6:] for k in SAVED_SETTINGS if k.startswith("model."))
@@ -37,6 +39,10 @@ def check_model_shape(saved, config, directory: str) -> None:
 def run_changes(saved, config, saved_windows, windows) -> dict:
     """{setting: (checkpoint's value, this config's)} for every run-changing difference."""
     diffs = {}
+    for name in FUNCTION_SETTINGS:          # None: a checkpoint that did not save it
+        old, new = (getattr(c.model, name[6:]) for c in (saved, config))
+        if old is not None and old != new:
+            diffs[name] = (old, new)
     for key in ("seed", "seq_length"):
         if getattr(saved.training, key) != getattr(config.training, key):
             diffs[f"training.{key}"] = (getattr(saved.training, key),
@@ -54,6 +60,8 @@ def run_changes(saved, config, saved_windows, windows) -> dict:
 
 
 WHY = {"training.seed": "the data order follows the seed",
+       "model.rope_theta": "the trained weights would see other rotary frequencies",
+       "model.rms_norm_eps": "the trained weights would see other normalised activations",
        "global_batch_size": "each step would take other samples, skipping or repeating some "
                             "(micro_batch_size x gradient_accumulation_steps x dp_size)",
        "dataset.num_windows": "the same dataset settings now read other data (did the files "

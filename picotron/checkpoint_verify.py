@@ -62,6 +62,10 @@ SAVED_SETTINGS = {
                                    "num_key_value_heads")},
     "model.tie_word_embeddings": bool, "model.parallel_residual": bool, "model.norm_type": str,
 }
+# Model settings that change what the weights compute but not their shapes. Read when present
+# (null when a checkpoint lacks one), so a checkpoint written before they were compared
+# still resumes.
+FUNCTION_SETTINGS = {"model.rope_theta": (int, float), "model.rms_norm_eps": (int, float)}
 
 
 def state_checksum(state: dict) -> str:
@@ -121,6 +125,10 @@ def _saved_config(fields: _Fields):
             low = 0 if name in ("training.seed", "dataset.val_samples") else 1
         value = fields.get(f"config.{name}", kind, minimum=low)
         setattr(getattr(config, section), key, value)
+    for name, kind in FUNCTION_SETTINGS.items():
+        section, key = name.split(".")
+        setattr(getattr(config, section), key,
+                fields.get(f"config.{name}", kind, optional=True))
     return config
 
 

@@ -23,9 +23,10 @@ CHECKPOINTING = ("auto", "none", "full", "selective")
 # offered: an unscaled gradient sum can leave its range, and bf16 moves as few bytes
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 # Settings a resume may change only when checkpoint.allow_changes lists them: each changes
-# which samples the run trains on (picotron/checkpoint_changes.py). The model's shape is not
-# among them: the weights would not fit.
-RESUME_CHANGES = ("training.seed", "training.seq_length", "global_batch_size",
+# which samples the run trains on, or what its weights compute (picotron/checkpoint_changes.py).
+# The model's shape is not among them: the weights would not fit.
+RESUME_CHANGES = ("model.rope_theta", "model.rms_norm_eps", "training.seed",
+                  "training.seq_length", "global_batch_size",
                   "dataset.name", "dataset.subset_name", "dataset.split", "dataset.text_column",
                   "dataset.tokenizer", "dataset.num_samples", "dataset.val_split",
                   "dataset.val_samples", "dataset.byte_range", "dataset.val_byte_range",

@@ -217,6 +217,10 @@ CHANGES = {   # setting -> (how to change it, the message names)
     "training.seq_length": (lambda c: setattr(c.training, "seq_length", 128),
                             "training.seq_length: checkpoint 256, this config 128"),
     "dataset.num_windows": (None, "dataset.num_windows: checkpoint 1000, this config 999"),
+    "model.rope_theta": (lambda c: setattr(c.model, "rope_theta", 5e5),
+                         "model.rope_theta: checkpoint 10000.0, this config 500000.0"),
+    "model.rms_norm_eps": (lambda c: setattr(c.model, "rms_norm_eps", 1e-6),
+                           "model.rms_norm_eps: checkpoint 1e-05, this config 1e-06"),
 }
 
 
@@ -251,6 +255,20 @@ def test_a_resume_that_changes_the_run_is_refused_unless_allowed_then_recorded(
     assert state["accepted_changes"] == history
 
 
+def test_a_checkpoint_that_did_not_save_rope_theta_still_resumes(saved, tmp_path):
+    """Settings compared since a later version are optional in state.json."""
+    _, root = saved
+    rewrite_state(os.path.join(root, "step_000003"),
+                  lambda s: s["config"]["model"].pop("rope_theta"))
+    config = tiny_config()
+    config.checkpoint.load_path, config.checkpoint.save_dir = "latest", root
+    config.model.rope_theta = 5e5
+    model, _, opt = build(config, seed=9)
+    step, _, history = resume(config, str(tmp_path), model, opt, one_process_group(),
+                              Windows(1000))
+    assert step == 3 and history == []
+
+
 def test_another_model_shape_is_refused_and_cannot_be_allowed(saved, tmp_path):
     _, root = saved
     config = tiny_config()
@@ -269,6 +287,7 @@ def test_every_change_a_resume_can_report_can_be_allowed():
     """run_changes names only settings that config_checks.RESUME_CHANGES accepts."""
     a, b = tiny_config(), tiny_config()
     b.training.seed, b.training.seq_length, b.training.micro_batch_size = 1, 64, 2
+    b.model.rope_theta, b.model.rms_norm_eps = 5e5, 1e-6
     for field in DATASET_FIELDS:
         value = getattr(a.dataset, field)
         setattr(b.dataset, field, 5 if field.endswith("samples") else [0, 9] if "range" in field
