@@ -14,6 +14,7 @@ import sys
 
 from picotron.checkpoint import existing_run
 from picotron.config import Config, ConfigError, config_from_dict
+from picotron.config_checks import config_warnings
 from picotron.overrides import apply_overrides
 from picotron.preflight import local_problems
 from picotron.presets import pretrained_weights, resolve_model
@@ -173,6 +174,8 @@ def main(argv=None) -> str:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    for warning in config_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")
     config.save(path)

@@ -22,14 +22,15 @@ from picotron.config_ranges import check_output_dirs
 from picotron.context_parallel import apply_context_parallel
 from picotron.data import DataError, StepBatches, build_train_val, data_state
 from picotron.data_parallel import GradBuckets, ShardedParams
-from picotron.errors import RunStopped
+from picotron.errors import RunStopped, SharedDataError
 from picotron.hf_io import load_hf_weights
 from picotron.loss import build_loss
 from picotron.memory_plan import check_memory
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
-from picotron.run_report import describe_run, exit_with_error, record_launch, summary
+from picotron.run_report import (data_warning, describe_run, exit_with_error, record_launch,
+                                 summary)
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.speed.fp8_layers import settle_auto_fp8
 from picotron.step_log import StepLog
@@ -204,6 +205,8 @@ def main(argv=None):
     model, loss_fn, grads, optimizer = build_training(config, pgm, device)
     data, val_data = build_train_val(config, run_dir)
     batches = StepBatches(data, config, pgm, device)   # this rank's micro-batches of a step
+    if is_logger and data_warning(config, data):
+        print(data_warning(config, data), file=sys.stderr, flush=True)
     # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
     # A change of seed, data or batch is refused unless allowed, and then carried along.
     # ZeRO-3 holds the parameters whole while a checkpoint loads into them, then its shards
@@ -280,7 +283,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, MissingPackage) as e:      # read from the same file by every rank
+    except (ConfigError, MissingPackage, SharedDataError) as e:   # alike on every rank
         exit_with_error(e, same_on_every_rank=True)
     except (DataError, CheckpointError, RunStopped) as e:
         exit_with_error(e, same_on_every_rank=False)

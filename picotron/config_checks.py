@@ -202,3 +202,16 @@ def pipeline_errors(config) -> list:
                       f" into pp_size*pp_virtual_stages = {pp}*{v} equal chunks, which does not "
                       f"divide it; change one of the three")
     return errors
+
+
+def config_warnings(config) -> list:
+    """Settings that run but are likely mistakes, each with what will happen and the fix
+    (create_config.py and a run's first lines say them; nothing refuses them)."""
+    t, warnings = config.training, []
+    if t.warmup_steps >= t.total_train_steps:
+        warnings.append(f"training.warmup_steps={t.warmup_steps} is not below training."
+                        f"total_train_steps={t.total_train_steps}: the learning rate is still "
+                        f"warming up at the last step and never reaches training.learning_rate"
+                        f"; lower warmup_steps (e.g. --set training.warmup_steps="
+                        f"{max(1, t.total_train_steps // 10)})")
+    return warnings

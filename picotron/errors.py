@@ -14,6 +14,12 @@ class DataError(ValueError):
     """The dataset section names data that cannot be loaded."""
 
 
+class SharedDataError(DataError):
+    """A DataError that every rank raises alike: rank 0 met it preparing the data and sent
+    its message to the others (picotron/tokenized_data.py), so it is said once, not once per
+    rank."""
+
+
 class ConfigError(ValueError):
     """A config that cannot run. The message names every problem and its fix."""
 

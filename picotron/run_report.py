@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from picotron.config_checks import config_warnings
 from picotron.pipeline_parallel import describe_split
 from picotron.utils import count_params, duration, flops_per_token
 from picotron.watchdog import tell_launcher
@@ -40,7 +41,19 @@ def describe_run(config, pgm, device, run_dir) -> str:
               f"tokens/step; {t.total_train_steps} steps; dtype {t.dtype}; run dir {run_dir}"]
     if d.pp_size > 1:
         lines.append(describe_split(config))
+    lines += [f"warning: {w}" for w in config_warnings(config)]
     return "\n".join(lines)
+
+
+def data_warning(config, data):
+    """One line when the training data is smaller than one step's batch, else None."""
+    windows = getattr(data, "num_windows", None)          # None: synthetic tokens
+    if windows is not None and windows < config.global_batch_size:
+        return (f"warning: the training data holds {windows} windows of "
+                f"{config.training.seq_length + 1} tokens, fewer than the global batch of "
+                f"{config.global_batch_size}: every step trains on some windows twice; use "
+                f"more data (dataset.num_samples) or a smaller batch")
+    return None
 
 
 def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) -> None:

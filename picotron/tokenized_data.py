@@ -13,13 +13,14 @@ with the same message instead of hanging.
 """
 import glob
 import os
+import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from picotron import token_cache
-from picotron.errors import DataError
+from picotron.errors import DataError, SharedDataError
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
@@ -29,6 +30,17 @@ FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _local_reason(e: Exception) -> str:
+    """Why `datasets` could not read local files: the error under its generic
+    DatasetGenerationError (a UnicodeDecodeError, a JSON parse error), or no rows at all."""
+    cause = e.__cause__ or e
+    if isinstance(cause, StopIteration) or not str(cause).strip():
+        return "no rows could be read (is a file empty?)"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"{_first_line(cause)} (files must be UTF-8 text)"
+    return _first_line(cause)
 
 
 def load_documents(d, split: str):
@@ -58,6 +70,10 @@ def load_documents(d, split: str):
     except DataError:
         raise
     except Exception as e:
+        if os.path.exists(name) or files:    # the files are there: say what is wrong in them
+            raise DataError(f"could not read the local dataset dataset.name='{d.name}': "
+                            f"{_local_reason(e)}; fix or remove the file, or point "
+                            f"dataset.name at other files") from None
         raise DataError(f"could not load dataset.name='{d.name}' (subset {d.subset_name!r}, "
                         f"split {split!r}): {_first_line(e)}; give an existing local path or "
                         f"a Hugging Face dataset id (offline machines need local files)"
@@ -70,6 +86,12 @@ def load_documents(d, split: str):
     if d.text_column not in splits.column_names:
         raise DataError(f"dataset '{d.name}' has no column '{d.text_column}'; its columns are "
                         f"{splits.column_names}: set dataset.text_column to one of them")
+    kind = getattr(splits.features[d.text_column], "dtype", None)
+    if kind not in ("string", "large_string"):
+        raise DataError(f"dataset '{d.name}' column '{d.text_column}' holds "
+                        f"{kind or type(splits.features[d.text_column]).__name__}, not text; "
+                        f"set dataset.text_column to a column of strings "
+                        f"(its columns are {splits.column_names})")
     if d.num_samples is not None:
         splits = splits.select(range(min(d.num_samples, len(splits))))
     return splits
@@ -79,6 +101,11 @@ def _fingerprints(config, split: str):
     """(cache key, tokenizer or None, documents or None): the key from cheap fingerprints,
     loading the tokenizer or the documents only when they cannot be fingerprinted unloaded."""
     d = config.dataset
+    name = os.path.expanduser(d.name)
+    if d.subset_name and (os.path.isfile(name) or any(c in name for c in "*?[")):
+        print(f"warning: dataset.subset_name={d.subset_name!r} is ignored: it picks a "
+              f"configuration of a hub dataset, and dataset.name='{d.name}' is local files",
+              file=sys.stderr, flush=True)
     source = tokenizer_source(config)
     tokenizer, docs = None, None
     tok_print = token_cache.tokenizer_fingerprint(source)
@@ -169,6 +196,6 @@ def dataset_tokens(config, split: str, run_dir=None) -> torch.Tensor:
                           f"ranks {[r for r, s in enumerate(seen) if not s]}; set "
                           f"dataset.cache_dir to a folder every machine shares")
     if box[1] is not None:
-        raise DataError(box[1])
+        raise SharedDataError(box[1]) if distributed else DataError(box[1])
     # Copy-on-write map: pages are read on demand, the file is never written.
     return torch.from_numpy(np.load(box[0], mmap_mode="c"))

@@ -99,6 +99,30 @@ def test_bad_dataset_settings_name_the_problem(files, tmp_path):
         build_train_val(c)
 
 
+BAD_FILES = {   # file name, its bytes, what the error says
+    "empty": ("empty.jsonl", b"", "no rows could be read"),
+    "not utf-8": ("latin.txt", "caf\u00e9\n".encode("latin-1"), "files must be UTF-8"),
+    "broken json": ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
+    "numbers": ("numbers.jsonl", b'{"text": 5}\n{"text": 7}\n', "holds int64, not text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_a_bad_local_file_is_named_with_what_is_wrong_in_it(tmp_path, case):
+    name, body, reason = BAD_FILES[case]
+    (tmp_path / name).write_bytes(body)
+    with pytest.raises(DataError, match=reason) as e:
+        build_data(config_for(str(tmp_path / name)))
+    assert "give an existing local path" not in str(e.value)    # the file does exist
+
+
+def test_subset_name_on_local_files_is_said_to_be_ignored(files, capsys):
+    c = config_for(files["jsonl"])
+    c.dataset.subset_name = "en"
+    build_data(c)
+    assert "dataset.subset_name='en' is ignored" in capsys.readouterr().err
+
+
 def test_the_seed_fixes_the_order_and_each_epoch_reshuffles(files):
     a, b = build_data(config_for(files["jsonl"])), build_data(config_for(files["jsonl"]))
     n = a.num_windows

@@ -92,15 +92,39 @@ def test_a_run_whose_steps_are_all_skipped_stops(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "diverge", "checkpoints"))
 
 
-def test_an_error_is_said_once_and_named_at_the_end(tmp_path):
-    path = write_config(tmp_path, "bad", TINY + ["--dp", "2"])
-    done = train(path, "--set", "training.learnin_rate=1", nproc=2, check=False)
+@pytest.mark.parametrize("bad", ["config", "data"])
+def test_an_error_is_said_once_and_named_at_the_end(tmp_path, bad):
+    """A config every rank reads, or data rank 0 prepares for all: one message, not one per
+    rank."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}. " * 20}) + "\n"
+                            for i in range(40)))
+    path = write_config(tmp_path, "bad", TINY + ["--dp", "2", "--dataset_name", str(docs)])
+    setting, said = {"config": ("training.learnin_rate=1", "unknown key 'training.learnin_rate'"),
+                     "data": ("dataset.text_column=body", "has no column 'body'")}[bad]
+    done = train(path, "--set", setting, nproc=2, check=False)
     assert done.returncode != 0
-    said = done.stderr.count("unknown key 'training.learnin_rate'")
     # once by rank 0, once in torchrun's closing report (its root cause), nowhere else
-    assert said == 2, done.stderr
+    assert done.stderr.count(said) == 2, done.stderr
     tail = done.stderr[done.stderr.rindex("Root Cause"):]
-    assert "error: invalid config" in tail and "rank      : 0" in tail, tail
+    assert said in tail and "rank      : 0" in tail, tail
+
+
+def test_likely_mistakes_are_warned_of_with_their_fix(tmp_path, capsys):
+    import create_config
+    from picotron.config_checks import config_warnings
+    from picotron.run_report import data_warning
+    config = Config()
+    config.training.warmup_steps, config.training.total_train_steps = 10, 10
+    assert "--set training.warmup_steps=1" in config_warnings(config)[0]
+    config.training.total_train_steps = 11
+    assert config_warnings(config) == []
+    create_config.main(["--out_dir", str(tmp_path), "--exp_name", "w", *TINY[:-2]])
+    assert "training.warmup_steps=10 is not below" in capsys.readouterr().err
+    few = mock.Mock(num_windows=config.global_batch_size - 1)
+    assert "some windows twice" in data_warning(config, few)
+    assert data_warning(config, mock.Mock(num_windows=config.global_batch_size)) is None
+    assert data_warning(config, object()) is None           # synthetic tokens: no windows
 
 
 def test_threads_are_the_core_share_of_each_local_process():
