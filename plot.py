@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run directory (the folder holding config.json and metrics.jsonl), "
                         "or a metrics.jsonl file; several are drawn side by side")
     p.add_argument("--out", default="metrics.png",
-                   help="the PNG to write (default: metrics.png in the current folder)")
+                   help="the image to write: a PNG, or another format its extension names "
+                        "(.pdf, .svg); default: metrics.png in the current folder")
     p.add_argument("--size", default="1500x450", metavar="WIDTHxHEIGHT",
                    help="image size in pixels (default: 1500x450)")
     return p
@@ -58,7 +59,16 @@ def read_metrics(run: str) -> tuple:
             except json.JSONDecodeError as e:
                 raise PlotError(f"{path}:{n} is not JSON ({e}); is it a metrics.jsonl "
                                 f"written by train.py?") from None
+            if not isinstance(record, dict):
+                raise PlotError(f"{path}:{n} is a JSON {type(record).__name__}, not the "
+                                f"object train.py writes; is it a metrics.jsonl?")
             record = {k: math.nan if v is None else v for k, v in record.items()}
+            bad = [k for k in (*STEP_KEYS, "val_loss", "mfu") if k in record and (
+                isinstance(record[k], bool) or not isinstance(record[k], (int, float)))]
+            if bad:
+                raise PlotError(f"{path}:{n}: {', '.join(bad)} must be numbers, got "
+                                f"{', '.join(repr(record[k]) for k in bad)}; is it a "
+                                f"metrics.jsonl written by train.py?")
             if "val_loss" in record:
                 vals.append(record)
             elif "loss" in record:
@@ -76,7 +86,7 @@ def tokens_at(steps: list):
     """A function: step -> tokens seen after it. A validation step without its step record
     (a run cut short) gets the step's tokens at the run's tokens per step."""
     seen = {r["step"]: r["tokens"] for r in steps}
-    per_step = steps[-1]["tokens"] / steps[-1]["step"]
+    per_step = steps[-1]["tokens"] / max(steps[-1]["step"], 1)
 
     def tokens(step: int) -> float:
         return seen.get(step, step * per_step)
@@ -102,7 +112,8 @@ def labels_of(runs: list) -> list:
 
 
 def plot(runs: list, out: str, size=(1500, 450)) -> str:
-    """Draw `runs` (run directories or metrics.jsonl files) into the PNG `out`; returns it."""
+    """Draw `runs` (run directories or metrics.jsonl files) into the image `out` (a PNG
+    unless its extension names another format matplotlib writes); returns its path."""
     data = [read_metrics(r) for r in runs]          # every run checked before drawing
     try:
         import matplotlib
@@ -110,6 +121,18 @@ def plot(runs: list, out: str, size=(1500, 450)) -> str:
         raise PlotError("plot.py needs matplotlib: `pip install matplotlib`") from None
     matplotlib.use("Agg")                           # files only: no display needed
     import matplotlib.pyplot as plt
+
+    if os.path.isdir(out) or out.endswith(os.sep):
+        raise PlotError(f"--out {out!r} is a folder; give a file name, e.g. "
+                        f"{os.path.join(out, 'metrics.png')}")
+    ext = os.path.splitext(out)[1][1:].lower()
+    if not ext:                     # matplotlib would add ".png": say the path it writes
+        out, ext = out + ".png", "png"
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if ext not in formats:
+        raise PlotError(f"--out {out!r}: matplotlib cannot write '.{ext}' files; use one of "
+                        f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
 
     dpi = 100
     fig, (loss_ax, speed_ax, mfu_ax) = plt.subplots(1, 3, figsize=(size[0] / dpi,
@@ -144,9 +167,14 @@ def plot(runs: list, out: str, size=(1500, 450)) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=dpi)
-    plt.close(fig)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        fig.savefig(out, dpi=dpi)
+    except OSError as e:
+        raise PlotError(f"cannot write --out {out!r} ({type(e).__name__}: {e}); choose a "
+                        f"path in a folder you can write") from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -168,6 +168,16 @@ def test_plot_refuses_what_it_cannot_draw(tmp_path, monkeypatch, capsys, fake_gp
     (empty / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0\n')
     with pytest.raises(plot.PlotError, match=r"metrics.jsonl:1 is not JSON"):
         plot.plot([str(empty)], str(tmp_path / "x.png"))
+    for line, message in (('[1, 2]', "is a JSON list"), ('{"step": 1, "loss": "low", '
+                          '"tokens": 1, "tokens_per_s": 1}', "loss must be numbers, got 'low'")):
+        (empty / "metrics.jsonl").write_text(line + "\n")
+        with pytest.raises(plot.PlotError, match=message):
+            plot.plot([str(empty)], str(tmp_path / "x.png"))
+    for out, message in (("x.nope", "cannot write '.nope' files"), ("", "is a folder")):
+        with pytest.raises(plot.PlotError, match=message):
+            plot.plot([fake_gpu_run], str(tmp_path / out))
+    assert plot.plot([fake_gpu_run], str(tmp_path / "bare")) == str(tmp_path / "bare.png")
+    assert os.path.isfile(tmp_path / "bare.png")            # the path printed is the file's
     monkeypatch.setitem(sys.modules, "matplotlib", None)               # not installed
     with pytest.raises(plot.PlotError, match=r"`pip install matplotlib`"):
         plot.plot([fake_gpu_run], str(tmp_path / "x.png"))
