@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the k likeliest tokens only; 0: all (default: 0)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampling; the same seed gives the same text (default: 0)")
+    p.add_argument("--tokenizer",
+                   help="a tokenizer (hub id, directory, or 'byte') instead of the run's own, "
+                        "e.g. when the folder it trained with has moved")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda when a "
                         "GPU is visible, else cpu)")
@@ -62,7 +65,12 @@ def main(argv=None):
     try:
         path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         model, config = load_for_inference(path, args.device)
-        tokenizer = load_tokenizer(tokenizer_source(config))
+        fix = "give --tokenizer"         # a checkpoint's saved settings cannot be changed
+        tokenizer = load_tokenizer(args.tokenizer or tokenizer_source(config, fix), fix)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise DataError(f"tokenizer '{tokenizer.name}' has {tokenizer.vocab_size} tokens, "
+                            f"more than the model's {config.model.vocab_size}; give "
+                            f"--tokenizer the one the run trained with")
     except (CheckpointError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

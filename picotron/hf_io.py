@@ -176,10 +176,9 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     weights = load_full_weights(checkpoint_dir)
     if hf_cohere.is_palm_style(m):
         weights = hf_cohere.cohere_weights(weights, m.hidden_size // m.num_attention_heads)
-    source = tokenizer or tokenizer_source(config)
+    source = tokenizer or tokenizer_source(config, "give --tokenizer")
     # loaded before anything is written: a tokenizer that cannot be loaded leaves no folder
-    tok = None if source == "byte" else load_tokenizer(
-        source, "give --tokenizer" if tokenizer else "set dataset.tokenizer to").tok
+    tok = None if source == "byte" else load_tokenizer(source, "give --tokenizer").tok
     os.makedirs(out_dir, exist_ok=True)
     if tok is None:
         save_byte_tokenizer(out_dir)

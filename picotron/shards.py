@@ -122,14 +122,21 @@ def load_full_weights(directory: str) -> dict:
 def checkpoint_config(directory: str):
     """The Config a checkpoint was trained with (from its state.json), for reading its weights:
     where the run's first weights came from (checkpoint.init_from) is not checked, since the
-    checkpoint holds its own (that folder may have moved since)."""
+    checkpoint holds its own (that folder may have moved since), and neither is its
+    dataset.tokenizer: it is kept as saved, and a reader that needs it loads it then (and
+    says how to replace it if it moved)."""
     from picotron.config import config_from_dict
     try:
         with open(os.path.join(directory, "state.json")) as f:
             raw = json.load(f)["config"]
+        tokenizer = None
         if isinstance(raw, dict) and isinstance(raw.get("checkpoint"), dict):
             raw["checkpoint"]["init_from"] = None
-        return config_from_dict(raw)
+        if isinstance(raw, dict) and isinstance(raw.get("dataset"), dict):
+            tokenizer = raw["dataset"].pop("tokenizer", None)
+        config = config_from_dict(raw)
+        config.dataset.tokenizer = tokenizer
+        return config
     except OSError as e:
         raise CheckpointError(f"{directory} is not a complete checkpoint ({e}); give a "
                               f"step_* directory that holds a state.json") from None

@@ -62,8 +62,9 @@ class HFTokenizer:
         return backend.to_str() if backend is not None else repr(sorted(self.tok.get_vocab()))
 
 
-def tokenizer_source(config):
-    """The name or path of the tokenizer this run uses, or "byte"."""
+def tokenizer_source(config, fix: str = "set dataset.tokenizer to"):
+    """The name or path of the tokenizer this run uses, or "byte". `fix`: as in
+    load_tokenizer."""
     if config.dataset.tokenizer:
         return config.dataset.tokenizer
     from picotron.presets import presets
@@ -77,8 +78,8 @@ def tokenizer_source(config):
             return preset["hub_id"]
     if config.model.vocab_size <= 256:
         return "byte"
-    raise TokenizerError(f"model '{config.model.name}' has no tokenizer of its own; set "
-                         f"dataset.tokenizer to a Hugging Face tokenizer id or path, or 'byte'")
+    raise TokenizerError(f"model '{config.model.name}' has no tokenizer of its own; {fix} "
+                         f"a Hugging Face tokenizer id or path, or 'byte'")
 
 
 def load_tokenizer(source: str, fix: str = "set dataset.tokenizer to"):
@@ -92,6 +93,10 @@ def load_tokenizer(source: str, fix: str = "set dataset.tokenizer to"):
     except TokenizerError:
         raise
     except Exception as e:   # missing path, offline hub, not a tokenizer directory
+        if source.startswith(("/", ".", "~")) and not os.path.exists(source):
+            raise TokenizerError(f"no tokenizer at '{source}': nothing exists there (moved or "
+                                 f"deleted?); {fix} a tokenizer id or directory, or 'byte'"
+                                 ) from None
         where = "the local path" if os.path.exists(source) else "the Hugging Face hub id"
         raise TokenizerError(f"could not load a tokenizer from {where} '{source}' "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''});"

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from picotron.checkpoint import CheckpointError
+from checkpoint_helpers import rewrite_state
 from test_checkpoint_integrity import flip, saved  # noqa: F401  (saved: the fixture)
 
 
@@ -28,3 +29,23 @@ def test_generate_and_export_read_only_verified_checkpoints(saved, tmp_path, cap
     assert checkpoint_to_read(root) == os.path.join(root, "step_000002")   # 3 is skipped
     with pytest.raises(CheckpointError, match="neither a checkpoint .* nor a folder of them"):
         checkpoint_to_read(str(tmp_path))
+
+
+def test_a_moved_tokenizer_is_named_with_the_flag_that_replaces_it(saved, tmp_path, capsys):
+    """A run's dataset.tokenizer folder that moved: generate and export say to give
+    --tokenizer (a saved checkpoint's settings cannot be set), and --tokenizer works."""
+    import export_hf
+    import generate
+    _, root = saved
+    step3 = os.path.join(root, "step_000003")
+    rewrite_state(step3, lambda s: s["config"]["dataset"].update(
+        tokenizer=str(tmp_path / "moved")))
+    for main, extra in ((generate.main, ["--max_new_tokens", "2"]),
+                        (export_hf.main, ["--out", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit):
+            main(["--checkpoint", step3, *extra])
+        err = capsys.readouterr().err
+        assert "moved': nothing exists there" in err, err
+        assert "give --tokenizer a tokenizer id" in err, err
+        main(["--checkpoint", step3, *extra, "--tokenizer", "byte"])
+    assert os.path.isfile(tmp_path / "hf" / "tokenizer.json")
