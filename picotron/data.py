@@ -37,8 +37,12 @@ DOCUMENT_SEPARATOR = 0                 # byte-level "end of document"
 def embedded_corpus_bytes(max_bytes: int = EMBEDDED_MAX_BYTES) -> torch.Tensor:
     """The stdlib's .py files in sorted path order, concatenated with separators: (N,) uint8."""
     root = sysconfig.get_paths()["stdlib"]
-    paths = sorted(os.path.join(d, f) for d, dirs, files in os.walk(root)
-                   if "site-packages" not in d for f in files if f.endswith(".py"))
+    paths = []
+    for d, dirs, files in os.walk(root):
+        # pruned, not just skipped: site-packages holds most of the tree's folders
+        dirs[:] = [x for x in dirs if "site-packages" not in x]
+        paths += [os.path.join(d, f) for f in files if f.endswith(".py")]
+    paths.sort()
     chunks, total = [], 0
     for path in paths:
         with open(path, "rb") as f:
