@@ -161,6 +161,11 @@ def source_errors(config) -> list:
              ("split", "split to train on, e.g. 'train'"), ("text_column", "column of the text"))
     errors = [f"dataset.{key}={getattr(d, key)!r} is empty; name the {what}"
               for key, what in names if not getattr(d, key).strip()]
+    if d.val_split is not None and d.val_split == d.split:
+        errors.append(f"dataset.val_split={d.val_split!r} is the training split "
+                      f"(dataset.split): validation would score windows the run trains on; "
+                      f"set dataset.val_split to null (dataset.val_samples windows are then "
+                      f"held out of training) or to another split")
     if d.name == "embedded" and d.tokenizer not in (None, "byte"):
         errors.append(f"dataset.tokenizer={d.tokenizer!r} would be ignored: dataset.name="
                       f"'embedded' is byte-level; set dataset.tokenizer to null or 'byte', or "

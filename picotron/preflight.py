@@ -5,14 +5,16 @@ instead of a minute into train.py, after the model is built and the tokenizer lo
 Only cheap checks: nothing is tokenized or downloaded, and at most a file's first line or
 schema is read.
 - `dataset.name` that looks like a local path (it starts with `.`, `/` or `~`, has a data
-  file's extension or glob characters, has more than one `/`, or exists) must exist; a file
-  or glob must be of a type the loader reads and holds one split, "train"; its first file must
-  have `dataset.text_column` (a .txt file's one column is "text"). With `dataset.byte_range`,
+  file's extension or glob characters, has more than one `/`, or exists) must exist, and its
+  files (a folder's too) must be of one format the loader reads; a file or glob holds one
+  split, "train", and no validation split (that would be the training data); a key of its
+  first file's first 100 rows must be `dataset.text_column` (a .txt file's one column is
+  "text"). With `dataset.byte_range`,
   the file must hold the ranges' bytes. A name of the form "name" or "owner/name" that is no
   local path is a Hugging Face hub id.
 - The tokenizer, when the dataset needs one (not `embedded`, `synthetic` or a byte range):
-  `dataset.tokenizer`, else the model's. A local folder must load (offline) and fit
-  `model.vocab_size`.
+  `dataset.tokenizer`, else the model's. It must fit `model.vocab_size` (bytes: 256), and a
+  local folder must load (offline).
 - A hub id (dataset, tokenizer, or `checkpoint.init_from`) when the hub cannot be reached
   (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or no network): it must be in the local Hugging
   Face cache, or the run would fail to download it. With a network, hub ids are left to the
@@ -23,6 +25,7 @@ on another machine.
 """
 import csv
 import glob
+import itertools
 import json
 import os
 import socket
@@ -68,30 +71,40 @@ def looks_local(name: str) -> bool:
 
 
 def dataset_problems(d, probe_network) -> list:
-    from picotron.tokenized_data import FILE_BUILDERS
+    from picotron.tokenized_data import FILE_BUILDERS, data_files, mixed_formats
     key = f"dataset.name={d.name!r} (--dataset_name)"
     if not looks_local(d.name):
         return hub_problems(d.name, "dataset", key, probe_network)
     path = os.path.expanduser(d.name)
     files = sorted(glob.glob(path)) if any(c in d.name for c in GLOB_CHARS) else []
     if os.path.isdir(path):
-        return saved_dataset_problems(d, path)
+        mixed = mixed_formats(data_files(path))
+        return [f"{key} {mixed}"] if mixed else saved_dataset_problems(d, path)
     if not (os.path.isfile(path) or files):
         what = "matches no file" if any(c in d.name for c in GLOB_CHARS) else "does not exist"
         return [f"{key} {what} (a relative path is read from the folder train.py starts in, "
                 f"here {os.getcwd()}); give an existing file, glob or folder, or a Hugging "
                 f"Face dataset id ('owner/name')"]
     files = files or [path]
-    ext = os.path.splitext(files[0])[1].lower()
-    if ext not in FILE_BUILDERS:
-        return [f"{key}: cannot read '{ext or 'extension-less'}' files; use "
+    odd = sorted({os.path.splitext(f)[1].lower() or "extension-less" for f in files}
+                 - set(FILE_BUILDERS))
+    if odd:
+        return [f"{key}: cannot read {', '.join(repr(e) for e in odd)} files; use "
                 f"{', '.join(FILE_BUILDERS)} files or a folder of them (or dataset.byte_range "
                 f"to read a file's raw bytes)"]
-    problems = [f"dataset.{k}={split!r}: a file or glob holds one split, 'train'; set "
-                f"dataset.{k} to 'train'{' (or null)' if k == 'val_split' else ''}, or give a "
-                f"folder with a file per split" for k, split in (("split", d.split),
-                                                                 ("val_split", d.val_split))
-                if split not in (None, "train")]
+    mixed = mixed_formats(files)
+    if mixed:
+        return [f"{key} {mixed}"]
+    ext = os.path.splitext(files[0])[1].lower()
+    problems = []
+    if d.split != "train":
+        problems.append(f"dataset.split={d.split!r}: a file or glob holds one split, 'train'; "
+                        f"set dataset.split to 'train', or give a folder with a file per split")
+    if d.val_split is not None:      # 'train' too: validation would score trained windows
+        problems.append(f"dataset.val_split={d.val_split!r}: a file or glob holds one split, "
+                        f"the training data; set dataset.val_split to null (dataset.val_samples "
+                        f"windows are then held out of training), or give a folder with a "
+                        f"file per split")
     columns = file_columns(files[0], ext)
     if columns is not None and d.text_column not in columns:
         problems.append(f"dataset.text_column={d.text_column!r}: {files[0]} has no such "
@@ -119,8 +132,16 @@ def file_columns(path: str, ext: str):
             first = next((line for line in f if line.strip()), "")
         if ext == ".csv":
             return next(csv.reader([first]), [])
-        row = json.loads(first)                     # .json / .jsonl: one object per line
-        return list(row) if isinstance(row, dict) else None
+        # .json / .jsonl: one object per line; the keys of the first 100 rows (a key that
+        # only some rows hold is still a column)
+        keys = {}
+        with open(path, encoding="utf-8") as f:
+            for line in itertools.islice((x for x in f if x.strip()), 100):
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    return None
+                keys.update(dict.fromkeys(row))
+        return list(keys)
     except (OSError, ValueError, ImportError):
         return None
 
@@ -173,7 +194,9 @@ def tokenizer_problems(config, probe_network) -> list:
            else f"the model's tokenizer '{source}' (from --model_name; dataset.tokenizer "
                 f"picks another)")
     if source == "byte":
-        return []
+        return [] if config.model.vocab_size >= 256 else [
+            f"{key}: the byte-level tokenizer has 256 tokens but model.vocab_size="
+            f"{config.model.vocab_size}; use --set model.vocab_size=256 or another tokenizer"]
     if not os.path.isdir(os.path.expanduser(source)):
         if looks_local(source):          # a missing local path: the config's checks say so
             return []

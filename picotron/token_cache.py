@@ -85,19 +85,22 @@ def data_fingerprint(name: str):
     """The fingerprint of `dataset.name`'s files, or None when it takes loading to know (a hub
     dataset not in the local cache, or a path that does not exist: loading then says why)."""
     path = os.path.expanduser(name)
+    # How the files are read is part of the print: a folder's files are split by name
+    # (train/test), a file or glob is read whole as 'train', so the same files differ.
+    mode = "files"
     if any(c in path for c in "*?["):
         files = sorted(glob.glob(path))
     elif os.path.isfile(path):
         files = [path]
     elif os.path.isdir(path):
-        files = []
+        files, mode = [], "folder"
         for folder, dirs, names in os.walk(path):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))    # .cache and the like
             files += [os.path.join(folder, f) for f in sorted(names) if not f.startswith(".")]
     else:
         hub = _hub_snapshot(name, "dataset")
         return None if hub is None else f"hub:{name}@{hub[0]}"
-    return "files:" + "|".join(_file_stamp(f) for f in files) if files else None
+    return f"{mode}:" + "|".join(_file_stamp(f) for f in files) if files else None
 
 
 def tokenizer_fingerprint(source: str):

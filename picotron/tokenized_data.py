@@ -23,6 +23,7 @@ from picotron import token_cache
 from picotron.errors import DataError, SharedDataError
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
+SAVED_METADATA = ("dataset_info.json", "dataset_dict.json", "state.json", "dataset_infos.json")
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
                  ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
@@ -30,6 +31,33 @@ FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def mixed_formats(files: list):
+    """The problem when data files of more than one format are read together (one reader
+    would take them all: a .jsonl read as text, or a .txt dropped), else None."""
+    kinds = {}
+    for f in files:
+        ext = os.path.splitext(f)[1].lower()
+        if ext in FILE_BUILDERS:
+            kinds.setdefault(FILE_BUILDERS[ext], []).append(os.path.basename(f))
+    if len(kinds) < 2:
+        return None
+    listed = "; ".join(f"{k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+                       for k, v in sorted(kinds.items()))
+    return (f"holds data files of {len(kinds)} formats ({listed}), which are not read "
+            f"together; keep one format, or a glob that matches one (e.g. '*.jsonl')")
+
+
+def data_files(folder: str) -> list:
+    """The data files under `folder`: hidden ones (.cache) and the metadata that
+    `save_to_disk` writes beside its .arrow files left out."""
+    found = []
+    for d, dirs, names in os.walk(folder):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        found += [os.path.join(d, f) for f in names
+                  if not f.startswith(".") and f not in SAVED_METADATA]
+    return found
 
 
 def _local_reason(e: Exception) -> str:
@@ -50,16 +78,24 @@ def load_documents(d, split: str):
     files = sorted(glob.glob(name)) if any(c in name for c in "*?[") else []
     try:
         if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in
-                                       ("dataset_info.json", "dataset_dict.json", "state.json")):
+                                       SAVED_METADATA[:3]):
             splits = datasets.load_from_disk(name)          # written by save_to_disk
         elif os.path.isdir(name):
+            mixed = mixed_formats(data_files(name))
+            if mixed:
+                raise DataError(f"dataset.name='{d.name}' {mixed}")
             splits = datasets.load_dataset(name, d.subset_name)   # builder inferred from files
         elif os.path.isfile(name) or files:
             files = files or [name]
-            ext = os.path.splitext(files[0])[1].lower()
-            if ext not in FILE_BUILDERS:
-                raise DataError(f"dataset.name='{d.name}': cannot read '{ext}' files; use "
+            odd = sorted({os.path.splitext(f)[1].lower() for f in files} - set(FILE_BUILDERS))
+            if odd:
+                raise DataError(f"dataset.name='{d.name}': cannot read "
+                                f"{', '.join(repr(e) for e in odd)} files; use "
                                 f"{', '.join(FILE_BUILDERS)} files or a directory of them")
+            mixed = mixed_formats(files)
+            if mixed:
+                raise DataError(f"dataset.name='{d.name}' {mixed}")
+            ext = os.path.splitext(files[0])[1].lower()
             splits = datasets.load_dataset(FILE_BUILDERS[ext], data_files={"train": files})
         elif name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in FILE_BUILDERS:
             raise DataError(f"dataset.name='{d.name}' looks like a local path but nothing "

@@ -116,6 +116,23 @@ def test_a_bad_local_file_is_named_with_what_is_wrong_in_it(tmp_path, case):
     assert "give an existing local path" not in str(e.value)    # the file does exist
 
 
+def test_a_folder_and_a_glob_over_it_are_not_the_same_data(tmp_path):
+    """A folder's files are split by name, a glob reads them all as 'train': the token cache
+    keeps them apart (else the folder's test split would be trained on)."""
+    docs = documents(40)
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for name, part in (("train.jsonl", docs[:30]), ("test.jsonl", docs[30:])):
+        (folder / name).write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    everything = build_data(config_for(str(folder / "*"))).tokens
+    train_only = build_data(config_for(str(folder))).tokens
+    assert len(train_only) == sum(len(d.encode()) + 1 for d in docs[:30])
+    assert len(everything) == sum(len(d.encode()) + 1 for d in docs)
+    (folder / "notes.txt").write_text("a text file among json lines\n")
+    with pytest.raises(DataError, match="holds data files of 2 formats"):
+        build_data(config_for(str(folder)))
+
+
 def test_subset_name_on_local_files_is_said_to_be_ignored(files, capsys):
     c = config_for(files["jsonl"])
     c.dataset.subset_name = "en"

@@ -82,6 +82,29 @@ def test_a_file_holds_one_split(tmp_path, capsys, formats):
     assert "dataset.split='validation': a file or glob holds one split, 'train'" in err
     assert "dataset.val_split='test'" in err
     assert create(tmp_path, "--dataset_name", formats["jsonl"], "--set", "dataset.split=train")
+    # validation on the training split: its windows would be trained on
+    err = refused(tmp_path, capsys, "--dataset_name", formats["jsonl"],
+                  "--set", "dataset.val_split=train")
+    assert "dataset.val_split='train' is the training split" in err, err
+
+
+def test_files_of_two_formats_are_refused_together(tmp_path, capsys):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text("plain text\n")
+    (mixed / "b.jsonl").write_text('{"text": "json text"}\n')
+    for name in (str(mixed), str(mixed / "*")):
+        err = refused(tmp_path, capsys, "--dataset_name", name)
+        assert "holds data files of 2 formats (json: b.jsonl; text: a.txt)" in err, err
+    assert create(tmp_path, "--dataset_name", str(mixed / "*.jsonl"))
+
+
+def test_a_column_only_some_rows_hold_is_a_column(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"other": "x"}\n{"text": "a document", "other": "y"}\n')
+    assert create(tmp_path, "--dataset_name", str(rows))
+    err = refused(tmp_path, capsys, "--dataset_name", str(rows), "--set", "model.vocab_size=128")
+    assert "byte-level tokenizer has 256 tokens but model.vocab_size=128" in err, err
 
 
 def test_a_saved_dataset_dict_knows_its_splits_and_columns(tmp_path, capsys):
