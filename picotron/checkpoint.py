@@ -86,6 +86,12 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
             raise CheckpointError(f"checkpoint.load_path='{load_path}' ({path}) is not a "
                                   f"directory; a relative path starts at the run directory, "
                                   f"which holds {found or 'no checkpoint'}; or use 'latest'")
+        inside = step_names(path)
+        if inside and not os.path.exists(os.path.join(path, "state.json")):
+            raise CheckpointError(f"checkpoint.load_path='{load_path}' is a folder of "
+                                  f"checkpoints ({len(inside)} of them); name one of "
+                                  f"them (e.g. {os.path.join(load_path, inside[-1])}), or "
+                                  f"use 'latest' for this run's own")
         state, saved, problems = _verified(path, pgm)
         if problems:
             raise CheckpointError("; ".join(problems))

@@ -147,8 +147,11 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
         errors.append("model.attn_implementation='flash_attention_2' runs flash-attn's CUDA "
                       "kernels, but distributed.use_cpu is true; use 'sdpa' or 'auto'")
     if gpu_only and d.use_cpu:
+        on_cpu = {"model.kernels": "'torch'", "training.fused_loss": "'none' or 'chunked'"}
         errors.append(f"{' and '.join(gpu_only)} runs Triton kernels on CUDA GPUs only, "
-                      f"but distributed.use_cpu is true; use 'torch' / 'chunked' on CPU")
+                      f"but distributed.use_cpu is true; on CPU use "
+                      + "; ".join(f"{k}={on_cpu[k]}" for k in
+                                  (g.split("=")[0] for g in gpu_only)))
     if t.cuda_graphs not in (True, False, "auto"):
         errors.append(f"training.cuda_graphs={t.cuda_graphs!r} must be true, false or 'auto'")
     elif t.cuda_graphs is True:         # "auto" is left only when other errors stopped it

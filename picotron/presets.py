@@ -18,6 +18,11 @@ UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                "rope_scaling": None, "attention_dropout": 0.0}
 
 
+# The sizes a config.json must give: no default stands in for them.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")
+
+
 def presets() -> dict:
     """{preset name: {"hub_id": str or None, "model": {...}}} for every shipped preset."""
     out = {}
@@ -44,12 +49,21 @@ def model_fields_from_hf(hf: dict, source: str) -> dict:
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope_parameters.rope_type={rope['rope_type']!r} (supported: "
                         f"'default')")
-    heads = hf.get("num_attention_heads")
-    if heads and hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        problems.append(f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
     if problems:
         raise ConfigError(f"{source} describes a model this framework cannot run exactly: "
                           + "; ".join(problems))
+    missing = [k for k in REQUIRED if k not in hf]
+    bad = [f"{k}={hf[k]!r}" for k in REQUIRED + ("num_key_value_heads",) if k in hf and (
+        isinstance(hf[k], bool) or not isinstance(hf[k], int) or hf[k] < 1)]
+    if missing or bad:       # HF's defaults are not ours: a missing size is not guessed
+        raise ConfigError(f"{source} does not describe a model's shape: "
+                          + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                      + ([f"{', '.join(bad)} (positive integers)"] if bad
+                                         else []))
+                          + "; give a complete Hugging Face config.json")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise ConfigError(f"{source} describes a model this framework cannot run exactly: "
+                          f"head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
     fields = {k: hf[k] for k in ModelConfig.__dataclass_fields__ if k in hf and k != "name"}
     if "rope_theta" in rope:
         fields["rope_theta"] = float(rope["rope_theta"])
@@ -71,8 +85,18 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
         if not os.path.isfile(path):
             raise ConfigError(f"--model_name {name} is a directory without a config.json; "
                               f"point it at a Hugging Face model directory")
-        with open(path) as f:
-            return {"name": name, **model_fields_from_hf(json.load(f), path)}
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--model_name {name}: cannot read {path} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); point it at a "
+                              f"Hugging Face model directory with a valid config.json"
+                              ) from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"--model_name {name}: {path} holds a JSON "
+                              f"{type(hf).__name__}, not a model's config object")
+        return {"name": name, **model_fields_from_hf(hf, path)}
     near = near_preset(name)
     if near in presets() and near.lower() == name.lower():      # other capitals: no hub call
         raise ConfigError(f"--model_name '{name}' is not a preset; did you mean '{near}'? "

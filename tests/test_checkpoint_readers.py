@@ -49,3 +49,13 @@ def test_a_moved_tokenizer_is_named_with_the_flag_that_replaces_it(saved, tmp_pa
         assert "give --tokenizer a tokenizer id" in err, err
         main(["--checkpoint", step3, *extra, "--tokenizer", "byte"])
     assert os.path.isfile(tmp_path / "hf" / "tokenizer.json")
+
+
+def test_a_folder_of_checkpoints_as_load_path_says_to_name_one(saved, tmp_path):
+    """generate and export take a checkpoints folder (its latest); a resume names its
+    checkpoint, so it is told how, not that the folder is damaged."""
+    from picotron.checkpoint import find_checkpoint
+    _, root = saved
+    with pytest.raises(CheckpointError, match="is a folder of checkpoints \\(3 of them\\); "
+                                              "name one of them \\(e.g. .*step_000003\\)"):
+        find_checkpoint(root, str(tmp_path / "checkpoints"), str(tmp_path))

@@ -13,7 +13,7 @@ import torch.nn as nn
 from launch import ROOT, launch, read_metrics, write_config
 from tiny import documents, one_process_group, tiny_llama, tiny_tokenizer
 from picotron.checkpoint import CheckpointError, save_checkpoint
-from picotron.config import Config, ModelConfig
+from picotron.config import Config, ConfigError, ModelConfig
 from picotron.data import DataError, build_data, micro_batch
 from picotron.generate import filter_top_k, load_for_inference, sample
 from picotron.hf_io import export_hf, load_hf_weights
@@ -63,6 +63,19 @@ def test_weights_that_do_not_fit_are_refused_before_any_change(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(CheckpointError, match="no .safetensors weights"):
         load_hf_weights(model, str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("body, words", [
+    ("nope", "cannot read .*config.json \\(JSONDecodeError"),
+    ("[1, 2]", "holds a JSON list"),
+    ('{"hidden_size": 64}', "missing vocab_size, intermediate_size, num_hidden_layers"),
+    ('{"vocab_size": 300, "hidden_size": "64", "intermediate_size": 128, '
+     '"num_hidden_layers": 2, "num_attention_heads": 4}', "hidden_size='64' \\(positive"),
+])
+def test_a_bad_model_config_json_is_named(tmp_path, body, words):
+    (tmp_path / "config.json").write_text(body)
+    with pytest.raises(ConfigError, match=words):
+        resolve_model(str(tmp_path))
 
 
 def test_hub_id_downloads_the_weights_or_names_the_fix(tmp_path, monkeypatch):
