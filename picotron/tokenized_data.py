@@ -123,6 +123,10 @@ def load_documents(d, split: str):
         raise DataError(f"dataset '{d.name}' has no column '{d.text_column}'; its columns are "
                         f"{splits.column_names}: set dataset.text_column to one of them")
     kind = getattr(splits.features[d.text_column], "dtype", None)
+    if kind == "null":                       # every row's value is null: nothing to train on
+        raise DataError(f"dataset '{d.name}' column '{d.text_column}' is null in every row: "
+                        f"it holds no text; fill it, or set dataset.text_column to a column "
+                        f"of strings (its columns are {splits.column_names})")
     if kind not in ("string", "large_string"):
         raise DataError(f"dataset '{d.name}' column '{d.text_column}' holds "
                         f"{kind or type(splits.features[d.text_column]).__name__}, not text; "

@@ -104,6 +104,7 @@ BAD_FILES = {   # file name, its bytes, what the error says
     "not utf-8": ("latin.txt", "caf\u00e9\n".encode("latin-1"), "files must be UTF-8"),
     "broken json": ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
     "numbers": ("numbers.jsonl", b'{"text": 5}\n{"text": 7}\n', "holds int64, not text"),
+    "nulls": ("nulls.jsonl", b'{"text": null}\n{"text": null}\n', "null in every row"),
 }
 
 
