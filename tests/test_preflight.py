@@ -1,6 +1,6 @@
 """create_config.py refuses, before writing anything, a config whose data or tokenizer this
-machine cannot find (picotron/preflight.py): a missing local path, a text column the file
-does not have, a split a single file cannot hold, a tokenizer that does not load or does not
+machine cannot find (picotron/preflight.py): a missing local path, files of two formats, a
+text column the file does not have, a split a single file cannot hold, a tokenizer that does not load or does not
 fit the vocabulary, and a hub id that is neither cached nor reachable. Each message names the
 option and the fix. The hub is never contacted: whether it answers is set by each test."""
 import os
@@ -99,11 +99,15 @@ def test_files_of_two_formats_are_refused_together(tmp_path, capsys):
     assert create(tmp_path, "--dataset_name", str(mixed / "*.jsonl"))
 
 
-def test_a_column_only_some_rows_hold_is_a_column(tmp_path, capsys):
+def test_a_column_only_some_rows_hold_is_a_column(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"other": "x"}\n{"text": "a document", "other": "y"}\n')
     assert create(tmp_path, "--dataset_name", str(rows))
-    err = refused(tmp_path, capsys, "--dataset_name", str(rows), "--set", "model.vocab_size=128")
+
+
+def test_bytes_must_fit_the_vocabulary(tmp_path, capsys, formats):
+    err = refused(tmp_path, capsys, "--dataset_name", formats["jsonl"],
+                  "--set", "model.vocab_size=128")
     assert "byte-level tokenizer has 256 tokens but model.vocab_size=128" in err, err
 
 
