@@ -169,7 +169,8 @@ def resume(config, run_dir: str, model, optimizer, pgm, data) -> tuple:
                                          save_root(config, run_dir), run_dir, pgm)
     if path is None:
         return 0, 0, []
-    history = check_resume(state, saved, config, path, getattr(data, "num_windows", None))
+    history = check_resume(state, saved, config, path, getattr(data, "num_windows", None),
+                           getattr(data, "contents", None))
     if len(history) > len(state.get("accepted_changes") or []) and pgm.global_rank == 0:
         print(f"warning: resuming {path} with changes that checkpoint.allow_changes accepts, "
               f"recorded in the next checkpoints: {history[-1]['changes']}", flush=True)

@@ -8,7 +8,8 @@ another run under the old name, so it is refused, naming each setting and the fi
   function (a context extension may mean it): accepted only when listed, as below;
 - `training.seed` (the data order), `training.seq_length` and the dataset settings (which
   windows exist), the global batch (which samples each step takes), and the number of
-  windows the dataset holds (the same settings reading changed files): accepted only when
+  windows the dataset holds or, as many, their tokens (`dataset.contents`, the sha256 of a
+  tokenized dataset's stream: the same settings reading changed files): accepted only when
   listed in `checkpoint.allow_changes`. An accepted change is recorded in the state of every
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.
@@ -36,8 +37,10 @@ def check_model_shape(saved, config, directory: str) -> None:
                               f"settings, or start a new run")
 
 
-def run_changes(saved, config, saved_windows, windows) -> dict:
-    """{setting: (checkpoint's value, this config's)} for every run-changing difference."""
+def run_changes(saved, config, saved_windows, windows, saved_contents=None,
+                contents=None) -> dict:
+    """{setting: (checkpoint's value, this config's)} for every run-changing difference.
+    `*_contents`: the token stream's sha256 (None: not known, as for synthetic data)."""
     diffs = {}
     for name in FUNCTION_SETTINGS:          # None: a checkpoint that did not save it
         old, new = (getattr(c.model, name[6:]) for c in (saved, config))
@@ -56,6 +59,9 @@ def run_changes(saved, config, saved_windows, windows) -> dict:
     explained = {f"dataset.{k}" for k in DATASET_FIELDS} | {"training.seq_length"}
     if saved_windows != windows and not diffs.keys() & explained:
         diffs["dataset.num_windows"] = (saved_windows, windows)   # same settings, other data
+    elif None not in (saved_contents, contents) and saved_contents != contents and not (
+            diffs.keys() & explained):           # as many windows, other tokens in them
+        diffs["dataset.contents"] = (saved_contents[:12], contents[:12])
     return diffs
 
 
@@ -65,15 +71,18 @@ WHY = {"training.seed": "the data order follows the seed",
        "global_batch_size": "each step would take other samples, skipping or repeating some "
                             "(micro_batch_size x gradient_accumulation_steps x dp_size)",
        "dataset.num_windows": "the same dataset settings now read other data (did the files "
-                              "change?)"}
+                              "change?)",
+       "dataset.contents": "the same dataset settings now read other tokens, as many windows "
+                           "of them (were the files edited, or the tokenizer's files?)"}
 
 
-def check_resume(state: dict, saved, config, directory: str, windows) -> list:
+def check_resume(state: dict, saved, config, directory: str, windows, contents=None) -> list:
     """The accepted changes to record in the next checkpoints: the checkpoint's history plus,
     if this resume changes the run by settings `checkpoint.allow_changes` lists, one record.
     Anything else that would change the run is a CheckpointError."""
     check_model_shape(saved, config, directory)
-    diffs = run_changes(saved, config, state["data"]["num_windows"], windows)
+    diffs = run_changes(saved, config, state["data"]["num_windows"], windows,
+                        state["data"].get("contents"), contents)
     allowed = set(config.checkpoint.allow_changes)
     refused = {k: v for k, v in diffs.items() if k not in allowed}
     if refused:

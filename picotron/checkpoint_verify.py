@@ -160,6 +160,7 @@ def read_state(directory: str):
     next_sample = fields.get("data.next_sample", int, minimum=0)
     batch = fields.get("data.global_batch_size", int, minimum=1)
     windows = fields.get("data.num_windows", (int, NULL), minimum=1)   # null: synthetic
+    fields.get("data.contents", str, optional=True)          # absent: written before it was
     epoch = fields.get("data.epoch", int, minimum=0)
     layout = {k: fields.get(f"layout.{k}", int, minimum=1) for k in ("dp", "pp", "cp", "tp")}
     manifest = fields.get("sha256", dict)

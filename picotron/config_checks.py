@@ -30,7 +30,7 @@ RESUME_CHANGES = ("model.rope_theta", "model.rms_norm_eps", "training.seed",
                   "dataset.name", "dataset.subset_name", "dataset.split", "dataset.text_column",
                   "dataset.tokenizer", "dataset.num_samples", "dataset.val_split",
                   "dataset.val_samples", "dataset.byte_range", "dataset.val_byte_range",
-                  "dataset.num_windows")
+                  "dataset.num_windows", "dataset.contents")
 
 
 def layout_errors(config, world_size: Optional[int] = None) -> list:

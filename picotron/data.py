@@ -129,6 +129,7 @@ class PackedTokens:
                             f"windows); lower training.seq_length or dataset.val_samples, or "
                             f"use more data")
         self._epoch, self._order = None, None
+        self.contents = None          # the stream's sha256 when it came from the token cache
 
     def __len__(self) -> int:
         return self.num_windows
@@ -188,13 +189,15 @@ def build_train_val(config, run_dir=None):
     if d.byte_range is not None:
         return byte_ranges(config)
     from picotron.tokenized_data import dataset_tokens
-    train_tokens = dataset_tokens(config, d.split, run_dir)
+    train_tokens, contents = dataset_tokens(config, d.split, run_dir)
     if d.val_split is None:
-        return split_stream(train_tokens, config)
-    train = PackedTokens(train_tokens, t.seq_length, t.seed)
-    if not d.val_samples:
-        return train, None
-    val_tokens = dataset_tokens(config, d.val_split, run_dir)
+        train, val = split_stream(train_tokens, config)
+    else:
+        train, val = PackedTokens(train_tokens, t.seq_length, t.seed), None
+    train.contents = contents            # the stream's sha256: a resume compares it
+    if d.val_split is None or not d.val_samples:
+        return train, val
+    val_tokens, _ = dataset_tokens(config, d.val_split, run_dir)
     count = min(d.val_samples, len(val_tokens) // (t.seq_length + 1))
     return train, PackedTokens(val_tokens, t.seq_length, t.seed, 0, count, shuffle=False)
 
@@ -204,7 +207,8 @@ def data_state(config, step: int, data) -> dict:
     next_sample = step * config.global_batch_size
     num = getattr(data, "num_windows", None)
     return {"next_sample": next_sample, "global_batch_size": config.global_batch_size,
-            "num_windows": num, "epoch": next_sample // num if num else 0}
+            "num_windows": num, "epoch": next_sample // num if num else 0,
+            "contents": getattr(data, "contents", None)}
 
 
 def micro_batch(data, step: int, micro: int, config, pgm):

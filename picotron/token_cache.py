@@ -154,6 +154,15 @@ def lookup(root: str, key: str):
     return None
 
 
+def entry_sha256(npy: str):
+    """The sha256 of an entry's tokens, as written in its description (None if unreadable)."""
+    try:
+        with open(npy[:-len(".npy")] + ".json") as f:
+            return json.load(f).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def remove_stale_temporaries(root: str, older_than_s: float = 86400.0) -> None:
     """Delete the temporary files of writers that died (a day old: a live writer's file is
     younger, its mtime moving as it writes)."""

@@ -213,9 +213,11 @@ def _tokenize_to_file(config, split: str, root: str) -> str:
     return path
 
 
-def dataset_tokens(config, split: str, run_dir=None) -> torch.Tensor:
-    """(N,) token stream of `split`, from the token cache (`dataset.cache_dir`, relative to
-    `run_dir`). Collective when a process group exists: every rank calls it."""
+def dataset_tokens(config, split: str, run_dir=None) -> tuple:
+    """((N,) token stream of `split`, its sha256), from the token cache (`dataset.cache_dir`,
+    relative to `run_dir`). The sha256 (written with the cache entry) names the contents, so
+    a resume can tell files edited in place. Collective when a process group exists: every
+    rank calls it."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     root = token_cache.cache_dir(config, run_dir)
     box = [None, None]                                   # [path, error message]
@@ -238,4 +240,5 @@ def dataset_tokens(config, split: str, run_dir=None) -> torch.Tensor:
     if box[1] is not None:
         raise SharedDataError(box[1]) if distributed else DataError(box[1])
     # Copy-on-write map: pages are read on demand, the file is never written.
-    return torch.from_numpy(np.load(box[0], mmap_mode="c"))
+    return (torch.from_numpy(np.load(box[0], mmap_mode="c")),
+            token_cache.entry_sha256(box[0]))

@@ -293,6 +293,7 @@ def test_every_change_a_resume_can_report_can_be_allowed():
         setattr(b.dataset, field, 5 if field.endswith("samples") else [0, 9] if "range" in field
                 else "other")
         assert getattr(b.dataset, field) != value
-    names = set(run_changes(a, b, 10, 11)) | set(run_changes(a, a, 10, 11))
+    names = (set(run_changes(a, b, 10, 11)) | set(run_changes(a, a, 10, 11))
+             | set(run_changes(a, a, 10, 10, "old tokens", "new tokens")))
     assert names == set(RESUME_CHANGES)
 

@@ -134,6 +134,26 @@ def test_a_folder_and_a_glob_over_it_are_not_the_same_data(tmp_path):
         build_data(config_for(str(folder)))
 
 
+def test_a_file_edited_in_place_is_another_run_to_a_resume(tmp_path):
+    """Same size, same number of windows, other tokens: the stream's sha256 tells them apart
+    (a rewrite of the same text does not)."""
+    import time
+    from picotron.checkpoint_changes import run_changes
+    path = tmp_path / "docs.txt"
+    path.write_text("alpha beta gamma\n" * 200)
+    c = config_for(str(path))
+    before = build_data(c)
+    time.sleep(0.01)                               # another modification time: a cache miss
+    path.write_text("alpha beta gamma\n" * 200)
+    assert build_data(c).contents == before.contents
+    path.write_text("gamma beta alpha\n" * 200)
+    after = build_data(c)
+    assert after.num_windows == before.num_windows and after.contents != before.contents
+    assert list(run_changes(c, c, before.num_windows, after.num_windows, before.contents,
+                            after.contents)) == ["dataset.contents"]
+    assert data_state(c, 1, after)["contents"] == after.contents     # what a checkpoint keeps
+
+
 def test_subset_name_on_local_files_is_said_to_be_ignored(files, capsys):
     c = config_for(files["jsonl"])
     c.dataset.subset_name = "en"

@@ -47,7 +47,7 @@ def config_for(source, tokenizer, cache_dir=None) -> Config:
 
 
 def tokens(config, run_dir):
-    return tokenized_data.dataset_tokens(config, "train", str(run_dir)).tolist()
+    return tokenized_data.dataset_tokens(config, "train", str(run_dir))[0].tolist()
 
 
 def entries(root) -> list:
@@ -199,7 +199,7 @@ def test_two_runs_tokenizing_at_once_leave_one_whole_entry(tmp_path):
     script = ("import sys; from picotron.config import Config; "
               "from picotron.tokenized_data import dataset_tokens; c = Config(); "
               "c.dataset.name, c.dataset.tokenizer, c.dataset.cache_dir = sys.argv[1:4]; "
-              "print('TOKENS', len(dataset_tokens(c, 'train', None)))")
+              "print('TOKENS', len(dataset_tokens(c, 'train', None)[0]))")
     args = [sys.executable, "-c", script, source, "byte", str(tmp_path / "cache")]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     runs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
