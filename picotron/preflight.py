@@ -71,30 +71,24 @@ def looks_local(name: str) -> bool:
 
 
 def dataset_problems(d, probe_network) -> list:
-    from picotron.tokenized_data import FILE_BUILDERS, data_files, mixed_formats
+    from picotron.tokenized_data import data_files, files_problem
     key = f"dataset.name={d.name!r} (--dataset_name)"
     if not looks_local(d.name):
         return hub_problems(d.name, "dataset", key, probe_network)
     path = os.path.expanduser(d.name)
     files = sorted(glob.glob(path)) if any(c in d.name for c in GLOB_CHARS) else []
     if os.path.isdir(path):
-        mixed = mixed_formats(data_files(path))
-        return [f"{key} {mixed}"] if mixed else saved_dataset_problems(d, path)
+        problem = files_problem(data_files(path), whole_folder=True)
+        return [f"{key}: {problem}"] if problem else saved_dataset_problems(d, path)
     if not (os.path.isfile(path) or files):
         what = "matches no file" if any(c in d.name for c in GLOB_CHARS) else "does not exist"
         return [f"{key} {what} (a relative path is read from the folder train.py starts in, "
                 f"here {os.getcwd()}); give an existing file, glob or folder, or a Hugging "
                 f"Face dataset id ('owner/name')"]
     files = files or [path]
-    odd = sorted({os.path.splitext(f)[1].lower() or "extension-less" for f in files}
-                 - set(FILE_BUILDERS))
-    if odd:
-        return [f"{key}: cannot read {', '.join(repr(e) for e in odd)} files; use "
-                f"{', '.join(FILE_BUILDERS)} files or a folder of them (or dataset.byte_range "
-                f"to read a file's raw bytes)"]
-    mixed = mixed_formats(files)
-    if mixed:
-        return [f"{key} {mixed}"]
+    problem = files_problem(files)
+    if problem:
+        return [f"{key}: {problem}"]
     ext = os.path.splitext(files[0])[1].lower()
     problems = []
     if d.split != "train":
@@ -128,10 +122,9 @@ def file_columns(path: str, ext: str):
                 return pa.ipc.open_stream(path).schema.names
             except pa.ArrowInvalid:
                 return pa.ipc.open_file(path).schema.names
-        with open(path, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "")
         if ext == ".csv":
-            return next(csv.reader([first]), [])
+            with open(path, encoding="utf-8") as f:
+                return next(csv.reader([next((x for x in f if x.strip()), "")]), [])
         # .json / .jsonl: one object per line; the keys of the first 100 rows (a key that
         # only some rows hold is still a column)
         keys = {}

@@ -33,9 +33,17 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def mixed_formats(files: list):
-    """The problem when data files of more than one format are read together (one reader
-    would take them all: a .jsonl read as text, or a .txt dropped), else None."""
+def files_problem(files: list, whole_folder: bool = False):
+    """Why these data files cannot be read as one dataset, else None: a file of a type the
+    loader does not read (a folder's other files are its own business: README, scripts), or
+    files of more than one format read together (one reader would take them all: a .jsonl
+    read as text, or a .txt dropped). Said by create_config's checks and by the loader."""
+    odd = sorted({os.path.splitext(f)[1].lower() or "extension-less" for f in files}
+                 - set(FILE_BUILDERS))
+    if odd and not whole_folder:
+        return (f"cannot read {', '.join(repr(e) for e in odd)} files; use "
+                f"{', '.join(FILE_BUILDERS)} files or a folder of them (or dataset.byte_range "
+                f"to read a file's raw bytes)")
     kinds = {}
     for f in files:
         ext = os.path.splitext(f)[1].lower()
@@ -81,20 +89,15 @@ def load_documents(d, split: str):
                                        SAVED_METADATA[:3]):
             splits = datasets.load_from_disk(name)          # written by save_to_disk
         elif os.path.isdir(name):
-            mixed = mixed_formats(data_files(name))
-            if mixed:
-                raise DataError(f"dataset.name='{d.name}' {mixed}")
+            problem = files_problem(data_files(name), whole_folder=True)
+            if problem:
+                raise DataError(f"dataset.name='{d.name}': {problem}")
             splits = datasets.load_dataset(name, d.subset_name)   # builder inferred from files
         elif os.path.isfile(name) or files:
             files = files or [name]
-            odd = sorted({os.path.splitext(f)[1].lower() for f in files} - set(FILE_BUILDERS))
-            if odd:
-                raise DataError(f"dataset.name='{d.name}': cannot read "
-                                f"{', '.join(repr(e) for e in odd)} files; use "
-                                f"{', '.join(FILE_BUILDERS)} files or a directory of them")
-            mixed = mixed_formats(files)
-            if mixed:
-                raise DataError(f"dataset.name='{d.name}' {mixed}")
+            problem = files_problem(files)
+            if problem:
+                raise DataError(f"dataset.name='{d.name}': {problem}")
             ext = os.path.splitext(files[0])[1].lower()
             splits = datasets.load_dataset(FILE_BUILDERS[ext], data_files={"train": files})
         elif name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in FILE_BUILDERS:
