@@ -24,11 +24,12 @@ def free_port() -> int:
 
 
 def launch(config_path: str, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run train.py on `nproc` gloo ranks (plain python for one), failing loudly."""
+    """Run train.py as a user does: plain python for one rank, torchrun for more; it fails
+    by raising."""
     train = os.path.join(ROOT, "train.py")
     if nproc == 1:
         return _run([sys.executable, train, "--config", config_path], timeout)
-    return launch_script(train, nproc, ["--config", config_path], timeout)
+    return torchrun_script(train, nproc, ["--config", config_path], timeout)
 
 
 def launch_many(config_paths: list, nproc: int, timeout: int = 1200):
@@ -51,7 +52,15 @@ def final_weights(config_path: str) -> dict:
 
 
 def launch_script(script: str, nproc: int, args=(), timeout: int = 600):
-    """Run a script on `nproc` gloo ranks with torchrun; it fails by raising."""
+    """Run a script on `nproc` gloo ranks forked from one warm interpreter
+    (tests/workers/fork_ranks.py: torchrun's worker environment without its ~6 s of imports
+    per rank); it fails by raising."""
+    return _run([sys.executable, os.path.join(ROOT, "tests", "workers", "fork_ranks.py"),
+                 str(nproc), script, *map(str, args)], timeout)
+
+
+def torchrun_script(script: str, nproc: int, args=(), timeout: int = 600):
+    """Run a script on `nproc` gloo ranks with torchrun itself; it fails by raising."""
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                  "--master_port", str(free_port()), script, *map(str, args)], timeout)
 

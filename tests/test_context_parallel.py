@@ -17,13 +17,11 @@ fp32, never against stored numbers. Tolerances:
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from launch import ROOT, final_weights, free_port, launch_many, read_metrics, write_config
+from launch import ROOT, final_weights, launch_many, launch_script, read_metrics, write_config
 
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.context_parallel.kernels import (fused_block_backward, fused_block_forward,
@@ -130,12 +128,8 @@ def test_fused_block_kernel_matches_reference(device):
 
 
 def run_attention_worker(tmp_path, cp: int) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cp),
-           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "cp_attention_worker.py"),
-           "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_script(os.path.join(ROOT, "tests", "cp_attention_worker.py"), cp,
+                  ["--out", str(tmp_path)], timeout=300)
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(cp)]
 
 

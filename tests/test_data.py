@@ -3,13 +3,11 @@
 import collections
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from launch import ROOT, free_port, write_config
+from launch import ROOT, launch_script, write_config
 from tiny import documents, tiny_tokenizer, write_formats
 from picotron.config import Config
 from picotron.data import (DataError, StepBatches, SyntheticData, build_data, build_train_val,
@@ -194,12 +192,8 @@ def test_dp2_on_gloo_splits_each_epoch_exactly_and_tokenizes_once(tmp_path):
     path = write_config(tmp_path, "dp2", ["--dp", "2", "--mbs", "2", "--grad_acc_steps", "2",
                                           "--seq_len", str(SEQ), "--dataset_name", src])
     steps = 10                                      # G = 8: two epochs of 5 steps
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", "--master_port", str(free_port()),
-                           os.path.join(ROOT, "tests", "data_worker.py"), path, str(steps),
-                           str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch_script(os.path.join(ROOT, "tests", "data_worker.py"), 2,
+                         [path, str(steps), str(tmp_path)], timeout=300)
     assert (proc.stdout + proc.stderr).count("tokenized 40 documents") == 1
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     windows = {bytes(w[:-1]).decode(): None for w in ranks[0]["steps"][0]}   # sanity: docs

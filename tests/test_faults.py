@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from launch import ROOT, free_port, write_config
+from launch import ROOT, free_port, launch_many, launch_script, write_config
 
 HEARTBEAT_S = 6.0
 LAYOUTS = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "dp2-pp2": ["--dp", "2", "--pp", "2"]}
@@ -100,19 +100,18 @@ def finish(proc, timeout=120):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Each layout's run without a fault: the losses every resumed run must reproduce."""
-    runs = {}
-    for layout in LAYOUTS:
-        path = config_for(tmp_path_factory.mktemp(layout), "clean", layout)
-        rc, out, err = finish(start(path))
-        assert rc == 0, err[-3000:]
-        runs[layout] = losses(path)
-    return runs
+    """Each layout's run without a fault: the losses every resumed run must reproduce. These
+    runs and the resumes test no launcher behaviour, so they start through the forking test
+    launcher (tests/launch.py), the faults through torchrun."""
+    paths = {layout: config_for(tmp_path_factory.mktemp(layout), "clean", layout)
+             for layout in LAYOUTS}
+    launch_many(list(paths.values()), 4)
+    return {layout: losses(path) for layout, path in paths.items()}
 
 
 def resume_and_compare(path, expected):
-    rc, out, err = finish(start(path, "--set", "checkpoint.load_path=latest"))
-    assert rc == 0, err[-3000:]
+    out = launch_script(os.path.join(ROOT, "train.py"), 4,
+                        ["--config", path, "--set", "checkpoint.load_path=latest"]).stdout
     assert "resumed at step" in out, out[-2000:]
     assert losses(path) == expected         # bitwise: same data, same order, same weights
 
