@@ -1,9 +1,13 @@
 """Helpers for tests that run training: write a config, launch it, read what it wrote."""
+import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,11 +56,49 @@ def final_weights(config_path: str) -> dict:
 
 
 def launch_script(script: str, nproc: int, args=(), timeout: int = 600):
-    """Run a script on `nproc` gloo ranks forked from one warm interpreter
+    """Run a script on `nproc` gloo ranks forked from the session's warm interpreter
     (tests/workers/fork_ranks.py: torchrun's worker environment without its ~6 s of imports
-    per rank); it fails by raising."""
-    return _run([sys.executable, os.path.join(ROOT, "tests", "workers", "fork_ranks.py"),
-                 str(nproc), script, *map(str, args)], timeout)
+    per rank and launch); it fails by raising."""
+    argv = [os.path.abspath(script), *map(str, args)]
+    with tempfile.TemporaryDirectory(prefix="picotron-launch-") as logs:
+        request = {"nproc": nproc, "script": argv[0], "args": argv[1:], "cwd": ROOT,
+                   "env": _env(), "out": os.path.join(logs, "out"),
+                   "err": os.path.join(logs, "err")}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(_rank_server())
+            conn.settimeout(timeout)
+            stream = conn.makefile("rw")
+            stream.write(json.dumps(request) + "\n")
+            stream.flush()
+            pid = json.loads(stream.readline())["pid"]
+            try:
+                code = json.loads(stream.readline())["rc"]
+            except socket.timeout:
+                os.killpg(pid, signal.SIGKILL)
+                code = f"killed after its {timeout} s timeout"
+        out, err = (open(request[k]).read() for k in ("out", "err"))
+    return _checked(subprocess.CompletedProcess(["fork_ranks", str(nproc)] + argv, code, out,
+                                                err))
+
+
+_SERVER = {}
+
+
+def _rank_server() -> str:
+    """The socket of this session's launch server, started at the first launch."""
+    proc = _SERVER.get("proc")
+    if proc is None or proc.poll() is not None:
+        path = os.path.join(tempfile.mkdtemp(prefix="picotron-ranks-"), "socket")
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "workers",
+                                                              "fork_ranks.py"), "--serve", path],
+                                env=_env(), cwd=ROOT)
+        atexit.register(proc.kill)
+        while not os.path.exists(path):
+            if proc.poll() is not None:
+                raise AssertionError(f"the launch server exited {proc.returncode}")
+            time.sleep(0.05)
+        _SERVER.update(proc=proc, path=path)
+    return _SERVER["path"]
 
 
 def torchrun_script(script: str, nproc: int, args=(), timeout: int = 600):
@@ -65,11 +107,18 @@ def torchrun_script(script: str, nproc: int, args=(), timeout: int = 600):
                  "--master_port", str(free_port()), script, *map(str, args)], timeout)
 
 
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+
+
 def _run(cmd: list, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return _checked(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                   env=_env(), cwd=ROOT))
+
+
+def _checked(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
     return proc

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from launch import ROOT, final_weights, free_port, launch_many, read_metrics, write_config
+from launch import (ROOT, final_weights, free_port, launch_many, launch_script, read_metrics,
+                    write_config)
 from picotron.config import ConfigError, config_from_dict
 from picotron.pipeline_parallel.schedules import (idle_slots, peak_alive, rank_steps,
                                                   schedule_orders, timeline)
@@ -153,14 +154,19 @@ def test_pipeline_matches_one_process(runs, model, pp, engine, dp, tp, cp):
         torch.testing.assert_close(mine[name], single[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-# ---- the engine itself, under torchrun: instrumentation and failures ------------------------
+# ---- the engine itself: instrumentation (forked ranks), failures (under torchrun) ----------
 
-def run_script(tmp_path, body: str, nproc: int, timeout: int = 120):
-    """torchrun a small script that imports picotron (written to tmp_path)."""
+def write_script(tmp_path, body: str) -> str:
+    """A small script that imports picotron, written to tmp_path."""
     script = tmp_path / "probe.py"
     script.write_text(f"import sys\nsys.path.insert(0, {ROOT!r})\n" + body)
+    return str(script)
+
+
+def run_script(tmp_path, body: str, nproc: int, timeout: int = 120):
+    """torchrun the script: how torchrun ends a failed run is what the caller tests."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), str(script)]
+           "--master_port", str(free_port()), write_script(tmp_path, body)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -196,8 +202,7 @@ dist.destroy_process_group()
 
 def test_engine_activations_alive_on_first_stage(tmp_path):
     """Counted by the engine itself: micro-batches forwarded and not yet backwarded."""
-    proc = run_script(tmp_path, PEAK_PROBE, nproc=4)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch_script(write_script(tmp_path, PEAK_PROBE), 4, timeout=120)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("PEAKS"))
     assert json.loads(line.split(" ", 1)[1]) == {"afab": 8, "1f1b": 4}
 

@@ -1,12 +1,13 @@
-"""Run train.py's main for several configs in one torchrun launch, one after the other.
+"""Run train.py's main for several configs in one launch, one after the other.
 
     torchrun --nproc_per_node 8 tests/workers/train_many.py CONFIG [CONFIG ...]
 
-Every config needs the launch's world size. The process group is made once and kept: each
-training builds its own grid, model, data and optimizer from its config, exactly as a fresh
-`torchrun train.py --config CONFIG` would, without paying ~20 s of interpreter and torch
-start-up per launch on the 2-core CI machine. A training that fails stops the launch (its error
-names the config); the ones before it have written their metrics and checkpoints.
+(the tests start it with tests/launch.py's launch_many, on forked ranks). Every config needs
+the launch's world size. The process group is made once and kept: each training builds its
+own grid, model, data and optimizer from its config, exactly as a fresh `torchrun train.py
+--config CONFIG` would, without paying a launch per config on the 2-core CI machine. A
+training that fails stops the launch (its error names the config); the ones before it have
+written their metrics and checkpoints.
 """
 import datetime
 import sys
