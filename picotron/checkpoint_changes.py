@@ -8,8 +8,8 @@ another run under the old name, so it is refused, naming each setting and the fi
   function (a context extension may mean it): accepted only when listed, as below;
 - `training.seed` (the data order), `training.seq_length` and the dataset settings (which
   windows exist), the global batch (which samples each step takes), and the number of
-  windows the dataset holds or, as many, their tokens (`dataset.contents`, the sha256 of a
-  tokenized dataset's stream: the same settings reading changed files): accepted only when
+  windows the dataset holds or, as many, their tokens (`dataset.contents`, the sha256 of the
+  training stream: the same settings reading changed files): accepted only when
   listed in `checkpoint.allow_changes`. An accepted change is recorded in the state of every
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.

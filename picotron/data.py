@@ -20,6 +20,7 @@ Validation: `dataset.val_samples` windows held out, from `dataset.val_split` (or
 `val_byte_range`) when given, else carved off the end of the training stream before shuffling
 (so no training window overlaps them). They are read in order, never shuffled.
 """
+import hashlib
 import os
 import sysconfig
 
@@ -80,10 +81,11 @@ def byte_ranges(config):
     d, t = config.dataset, config.training
     train_bytes = file_bytes(d.name, d.byte_range, "byte_range")
     if d.val_byte_range is None:
-        return split_stream(train_bytes, config, d.num_samples)
+        return named(split_stream(train_bytes, config, d.num_samples), train_bytes)
     windows = len(train_bytes) // (t.seq_length + 1)
     train = PackedTokens(train_bytes, t.seq_length, t.seed,
                          count=min(windows, d.num_samples or windows))
+    train.contents = stream_sha256(train_bytes)
     if not d.val_samples:
         return train, None
     val_bytes = file_bytes(d.name, d.val_byte_range, "val_byte_range")
@@ -93,6 +95,18 @@ def byte_ranges(config):
                         f"bytes, fewer than one window of seq_length+1 = {t.seq_length + 1}; "
                         f"widen it")
     return train, PackedTokens(val_bytes, t.seq_length, t.seed, 0, count, shuffle=False)
+
+
+def stream_sha256(tokens: torch.Tensor) -> str:
+    """The sha256 of a token stream read whole (a byte range of a file, the embedded corpus):
+    a resume compares it, as it compares the token cache's for tokenized datasets."""
+    return hashlib.sha256(tokens.numpy()).hexdigest()
+
+
+def named(train_val: tuple, tokens: torch.Tensor) -> tuple:
+    """(train, val) with train.contents set to the sha256 of the stream both were cut from."""
+    train_val[0].contents = stream_sha256(tokens)
+    return train_val
 
 
 def _generator(seed: int, *keys: int) -> torch.Generator:
@@ -129,7 +143,7 @@ class PackedTokens:
                             f"windows); lower training.seq_length or dataset.val_samples, or "
                             f"use more data")
         self._epoch, self._order = None, None
-        self.contents = None          # the stream's sha256 when it came from the token cache
+        self.contents = None          # the stream's sha256 (None: not known)
 
     def __len__(self) -> int:
         return self.num_windows
@@ -185,7 +199,8 @@ def build_train_val(config, run_dir=None):
                             f"dataset.name to a dataset (it is tokenized with the model's "
                             f"tokenizer), or dataset.tokenizer='byte' if you mean it")
         # num_samples counts windows here (the corpus has no rows).
-        return split_stream(embedded_corpus_bytes(), config, d.num_samples)
+        corpus = embedded_corpus_bytes()
+        return named(split_stream(corpus, config, d.num_samples), corpus)
     if d.byte_range is not None:
         return byte_ranges(config)
     from picotron.tokenized_data import dataset_tokens

@@ -62,6 +62,31 @@ def test_the_ranges_cut_the_file_into_windows_and_never_mix(xml_file):
     assert train.num_windows == 96 and bytes(val.window(0).tolist()) == data[96 * n:97 * n]
 
 
+def test_a_byte_range_edited_in_place_is_another_run_to_a_resume(tmp_path):
+    """A resume compares the range's sha256, as it does a tokenized dataset's: same size,
+    same windows, other bytes is another run (unless checkpoint.allow_changes says so). So
+    does the embedded corpus, whose bytes are this Python's standard library."""
+    from picotron.checkpoint_changes import run_changes
+    from picotron.data import data_state
+    path = tmp_path / "bytes.txt"
+    path.write_bytes(b"abcdefgh" * 1000)
+    c = config_for(str(path), [0, 6000], [6000, 8000], 3)
+    before = build_train_val(c)[0]
+    assert build_train_val(c)[0].contents == before.contents
+    path.write_bytes(b"abcdefgh" * 750 + b"hgfedcba" * 250)   # only the validation range:
+    assert build_train_val(c)[0].contents == before.contents  # the training stream is as it was
+    path.write_bytes(b"hgfedcba" * 1000)
+    after = build_train_val(c)[0]
+    assert after.num_windows == before.num_windows and after.contents != before.contents
+    assert list(run_changes(c, c, before.num_windows, after.num_windows, before.contents,
+                            after.contents)) == ["dataset.contents"]
+    assert data_state(c, 1, after)["contents"] == after.contents     # what a checkpoint keeps
+    c.dataset.val_byte_range = None                  # carved off the end: the same stream
+    assert build_train_val(c)[0].contents == after.contents
+    embedded = Config()
+    assert len(build_train_val(embedded)[0].contents) == 64
+
+
 def test_bad_ranges_are_refused_with_the_fix(xml_file):
     def problems(**dataset) -> str:
         with pytest.raises(ConfigError) as e:
