@@ -1,47 +1,15 @@
-"""Single-process training on CPU: it learns, it logs the metrics the README lists, and a CPU run
-never touches CUDA."""
+"""Single-process training on CPU: the learning-rate schedule, a CPU run never touches CUDA,
+a crash still logs every finished step. (That the debug model learns and logs every metric the
+README lists is checked on the README's quick start, tests/test_readme_commands.py.)"""
 import json
-import math
 
 import pytest
 import torch
 
 import create_config
 import train
-from launch import launch, read_metrics
 from picotron.config import TrainingConfig
-from picotron.data import embedded_corpus_bytes
 from picotron.utils import lr_at
-
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
-               "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gb", "step_time_s"}
-
-
-def unigram_entropy(tokens) -> float:
-    """Cross-entropy (nats) of the best model that ignores context: the byte frequencies."""
-    p = torch.bincount(tokens.long(), minlength=256).double()
-    p = p[p > 0] / p.sum()
-    return -(p * p.log()).sum().item()
-
-
-def test_debug_model_learns_the_embedded_corpus(tmp_path):
-    """200 steps of `debug` on the stdlib corpus. Threshold: the mean loss of the last 20 steps
-    must be 0.3 nats below the corpus's byte unigram entropy (about 3.3 nats; ln 256 = 5.55 at
-    the start). Beating the unigram entropy is only possible by using the context, so this
-    cannot pass by learning byte frequencies alone (it ends near 2.6 on this corpus)."""
-    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "learn", "--use_cpu",
-                               "--total_train_steps", "200", "--mbs", "4", "--seq_len", "128",
-                               "--learning_rate", "1e-3", "--set", "training.warmup_steps=20"])
-    launch(path, 1)
-    records = read_metrics(path)
-    assert [r["step"] for r in records] == list(range(1, 201))
-    assert all(METRIC_KEYS <= set(r) for r in records)
-    assert abs(records[0]["loss"] - math.log(256)) < 0.2        # uniform-ish start
-    threshold = unigram_entropy(embedded_corpus_bytes()) - 0.3
-    final = sum(r["loss"] for r in records[-20:]) / 20
-    assert final < threshold, (final, threshold)
-    assert records[-1]["tokens"] == 200 * 4 * 128
-    assert all(r["mfu"] is None for r in records)                # CPU: no peak rate
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
