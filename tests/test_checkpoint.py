@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, final_weights, launch, read_metrics, write_config
+from launch import ROOT, final_weights, launch_script, read_metrics, write_config
 from tiny import documents, one_process_group
 from picotron.checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint,
                                  resolve_checkpoint, save_checkpoint)
@@ -24,6 +24,7 @@ from picotron.shards import index_shards
 TINY = ["--num_hidden_layers", "2", "--seq_len", "32", "--set", "model.hidden_size=32",
         "--set", "model.intermediate_size=64", "--set", "model.num_attention_heads=4",
         "--set", "model.num_key_value_heads=2", "--set", "training.warmup_steps=2"]
+TRAIN = os.path.join(ROOT, "train.py")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def reference_run(tmp_path_factory):
         "--dataset_name", src, "--set", "dataset.val_samples=4",
         "--set", "training.val_frequency=2", "--set", "checkpoint.save_frequency=2",
         "--set", "checkpoint.keep_last=3"])
-    launch(path, 2)
+    launch_script(TRAIN, 2, ["--config", path])
     return path
 
 
@@ -65,7 +66,7 @@ def test_resume_at_half_matches_the_uninterrupted_run(reference_run, tmp_path):
     raw["checkpoint"]["load_path"] = "latest"
     with open(run_b / "config.json", "w") as f:
         json.dump(raw, f)
-    proc = launch(str(run_b / "config.json"), 2)
+    proc = launch_script(TRAIN, 2, ["--config", str(run_b / "config.json")])
     assert "resumed at step 4" in proc.stdout
     a, b = read_metrics(reference_run), read_metrics(str(run_b / "config.json"))
     key = lambda r: (r["step"], "val_loss" in r)                              # noqa: E731
