@@ -9,8 +9,9 @@ schema is read.
   files (a folder's too) must be of one format the loader reads; a file or glob holds one
   split, "train", and no validation split (that would be the training data); a key of its
   first file's first 100 rows must be `dataset.text_column` (a .txt file's one column is
-  "text"). With `dataset.byte_range`,
-  the file must hold the ranges' bytes. A name of the form "name" or "owner/name" that is no
+  "text"). A folder of data files holds the splits its file names make (train.jsonl,
+  validation.jsonl, ...), a folder written by `save_to_disk` those it lists, with their
+  columns. With `dataset.byte_range`, the file must hold the ranges' bytes. A name of the form "name" or "owner/name" that is no
   local path is a Hugging Face hub id.
 - The tokenizer, when the dataset needs one (not `embedded`, `synthetic` or a byte range):
   `dataset.tokenizer`, else the model's. It must fit `model.vocab_size` (bytes: 256), and a
@@ -79,7 +80,9 @@ def dataset_problems(d, probe_network) -> list:
     files = sorted(glob.glob(path)) if any(c in d.name for c in GLOB_CHARS) else []
     if os.path.isdir(path):
         problem = files_problem(data_files(path), whole_folder=True)
-        return [f"{key}: {problem}"] if problem else saved_dataset_problems(d, path)
+        if problem:
+            return [f"{key}: {problem}"]
+        return saved_dataset_problems(d, path) or folder_split_problems(d, path)
     if not (os.path.isfile(path) or files):
         what = "matches no file" if any(c in d.name for c in GLOB_CHARS) else "does not exist"
         return [f"{key} {what} (a relative path is read from the folder train.py starts in, "
@@ -162,6 +165,25 @@ def saved_dataset_problems(d, folder: str) -> list:
                             f"has no such column, its columns are {columns}; set "
                             f"dataset.text_column to one of them")
     return problems
+
+
+def folder_split_problems(d, folder: str) -> list:
+    """A folder of data files: its splits as the loader will find them, named by the files
+    (datasets' own rule: train.jsonl, validation-00.parquet, dev.txt, ...; all 'train' when
+    no name says a split). A README.md may map files to splits itself: left to the loader."""
+    from datasets.data_files import get_data_patterns
+    from picotron.tokenized_data import SAVED_METADATA
+    if any(os.path.exists(os.path.join(folder, f)) for f in SAVED_METADATA + ("README.md",)):
+        return []
+    try:
+        splits = sorted(map(str, get_data_patterns(folder)))
+    except Exception:        # no data files, or none it can read: the loader says which
+        return []
+    return [f"dataset.{k}={split!r}: the folder {folder} has no such split; the names of its "
+            f"files make the splits {splits} (e.g. train.jsonl and validation.jsonl); set "
+            f"dataset.{k} to one of them, or name the files after the splits"
+            for k, split in (("split", d.split), ("val_split", d.val_split))
+            if split is not None and split not in splits]
 
 
 def byte_file_problems(d) -> list:

@@ -1,8 +1,9 @@
 """create_config.py refuses, before writing anything, a config whose data or tokenizer this
 machine cannot find (picotron/preflight.py): a missing local path, files of two formats, a
-text column the file does not have, a split a single file cannot hold, a tokenizer that does not load or does not
-fit the vocabulary, and a hub id that is neither cached nor reachable. Each message names the
-option and the fix. The hub is never contacted: whether it answers is set by each test."""
+text column the file does not have, a split a single file or a folder's file names do not
+make, a tokenizer that does not load or does not fit the vocabulary, and a hub id that is
+neither cached nor reachable. Each message names the option and the fix. The hub is never
+contacted: whether it answers is set by each test."""
 import os
 import socket
 
@@ -86,6 +87,24 @@ def test_a_file_holds_one_split(tmp_path, capsys, formats):
     err = refused(tmp_path, capsys, "--dataset_name", formats["jsonl"],
                   "--set", "dataset.val_split=train")
     assert "dataset.val_split='train' is the training split" in err, err
+
+
+def test_a_folder_has_the_splits_its_file_names_make(tmp_path, capsys, formats):
+    """formats["folder"] holds train.jsonl and validation.jsonl; a folder of files whose names
+    say no split holds 'train' only. The loader finds the same splits."""
+    err = refused(tmp_path, capsys, "--dataset_name", formats["folder"],
+                  "--set", "dataset.val_split=test")
+    assert ("dataset.val_split='test': the folder " in err
+            and "make the splits ['train', 'validation']" in err), err
+    assert create(tmp_path, "--dataset_name", formats["folder"],
+                  "--set", "dataset.val_split=validation")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "part-a.jsonl").write_text('{"text": "a document"}\n')
+    err = refused(tmp_path, capsys, "--dataset_name", str(plain),
+                  "--set", "dataset.split=validation")
+    assert "dataset.split='validation'" in err and "make the splits ['train']" in err, err
+    assert create(tmp_path, "--dataset_name", str(plain))
 
 
 def test_files_of_two_formats_are_refused_together(tmp_path, capsys):
