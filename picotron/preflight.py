@@ -10,9 +10,9 @@ schema is read.
   split, "train", and no validation split (that would be the training data); a key of its
   first file's first 100 rows must be `dataset.text_column` (a .txt file's one column is
   "text"). A folder of data files holds the splits its file names make (train.jsonl,
-  validation.jsonl, ...), a folder written by `save_to_disk` those it lists, with their
-  columns. With `dataset.byte_range`, the file must hold the ranges' bytes. A name of the form "name" or "owner/name" that is no
-  local path is a Hugging Face hub id.
+  validation.jsonl, ...); a folder written by `save_to_disk` holds the splits and columns
+  it lists. With `dataset.byte_range`, the file must hold the ranges' bytes. A name of the
+  form "name" or "owner/name" that is no local path is a Hugging Face hub id.
 - The tokenizer, when the dataset needs one (not `embedded`, `synthetic` or a byte range):
   `dataset.tokenizer`, else the model's. It must fit `model.vocab_size` (bytes: 256), and a
   local folder must load (offline).

@@ -5,10 +5,11 @@ The model's head is swapped for `HeadInLoss`, which keeps the (V, C) weight unde
 passes the final hidden states (B, T, C) through; the loss returned applies that weight
 itself, chunk by chunk. Every caller keeps calling loss_fn(model(x), targets).
 
-The reference (`picotron.loss.causal_lm_loss` on the logits) builds the (N, V) logits in bf16, an fp32
-copy, fp32 log-probabilities and, in backward, an fp32 and a bf16 gradient of the same size:
-at N = 16*2048 tokens and V = 49152 that is 3.2 GB per bf16 copy and 6.4 GB per fp32 one, and
-several passes of memory traffic over them. Here (N legend: B*T tokens, C hidden, V vocab):
+The reference (`picotron.loss.causal_lm_loss` on the logits) builds the (N, V) logits in
+bf16, an fp32 copy, fp32 log-probabilities and, in backward, an fp32 and a bf16 gradient of
+the same size: at N = 16*2048 tokens and V = 49152 that is 3.2 GB per bf16 copy and 6.4 GB
+per fp32 one, and several passes of memory traffic over them. Here (N: B*T tokens, C hidden,
+V vocab):
 - "chunked" (plain PyTorch, any device): the tokens go through the head `rows` at a time;
   each chunk's fp32 logits give its loss AND its gradients right away (the loss is the last
   op, so each token's d loss_row / d logits = softmax - onehot(target) is known in forward),

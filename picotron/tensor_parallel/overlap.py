@@ -28,8 +28,9 @@ send first would deadlock on NCCL, and at n = 2 the next and the previous rank a
 On a GPU NCCL runs the transfers on its own stream; `wait` only makes the compute stream wait
 for them, so the GEMM launched meanwhile on the compute stream overlaps the transfer. NCCL
 starts a transfer only after the work queued before it, so each step costs the longer of its
-transfer and its GEMM: with n = 2, one chunk's transfer hides behind the other chunk's GEMM. On CPU (gloo) the same code is correct but nothing overlaps:
-the tests check the numbers, not speed.
+transfer and its GEMM: with n = 2, one chunk's transfer hides behind the other chunk's GEMM.
+On CPU (gloo) the same code is correct but nothing overlaps: the tests check the numbers, not
+speed.
 
 Left exposed: the embedding's reduce-scatter and the final norm's all-gather before the head
 (no GEMM of ours to hide them behind). model.kernels="triton" runs its fused projections
