@@ -64,10 +64,10 @@ def launch_script(script: str, nproc: int, args=(), timeout: int = 600):
         request = {"nproc": nproc, "script": argv[0], "args": argv[1:], "cwd": ROOT,
                    "env": _env(), "out": os.path.join(logs, "out"),
                    "err": os.path.join(logs, "err")}
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn, \
+                conn.makefile("rw") as stream:
             conn.connect(_rank_server())
             conn.settimeout(timeout)
-            stream = conn.makefile("rw")
             stream.write(json.dumps(request) + "\n")
             stream.flush()
             pid = json.loads(stream.readline())["pid"]
@@ -76,9 +76,17 @@ def launch_script(script: str, nproc: int, args=(), timeout: int = 600):
             except socket.timeout:
                 os.killpg(pid, signal.SIGKILL)
                 code = f"killed after its {timeout} s timeout"
-        out, err = (open(request[k]).read() for k in ("out", "err"))
+        out, err = (_read(request[k]) for k in ("out", "err"))
     return _checked(subprocess.CompletedProcess(["fork_ranks", str(nproc)] + argv, code, out,
                                                 err))
+
+
+def _read(path: str) -> str:
+    """A launch's output file ('' when the launch failed before it could write one)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
 
 
 _SERVER = {}
