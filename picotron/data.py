@@ -81,7 +81,9 @@ def byte_ranges(config):
     d, t = config.dataset, config.training
     train_bytes = file_bytes(d.name, d.byte_range, "byte_range")
     if d.val_byte_range is None:
-        return named(split_stream(train_bytes, config, d.num_samples), train_bytes)
+        train, val = split_stream(train_bytes, config, d.num_samples)
+        train.contents = stream_sha256(train_bytes)
+        return train, val
     windows = len(train_bytes) // (t.seq_length + 1)
     train = PackedTokens(train_bytes, t.seq_length, t.seed,
                          count=min(windows, d.num_samples or windows))
@@ -101,12 +103,6 @@ def stream_sha256(tokens: torch.Tensor) -> str:
     """The sha256 of a token stream read whole (a byte range of a file, the embedded corpus):
     a resume compares it, as it compares the token cache's for tokenized datasets."""
     return hashlib.sha256(tokens.numpy()).hexdigest()
-
-
-def named(train_val: tuple, tokens: torch.Tensor) -> tuple:
-    """(train, val) with train.contents set to the sha256 of the stream both were cut from."""
-    train_val[0].contents = stream_sha256(tokens)
-    return train_val
 
 
 def _generator(seed: int, *keys: int) -> torch.Generator:
@@ -200,7 +196,9 @@ def build_train_val(config, run_dir=None):
                             f"tokenizer), or dataset.tokenizer='byte' if you mean it")
         # num_samples counts windows here (the corpus has no rows).
         corpus = embedded_corpus_bytes()
-        return named(split_stream(corpus, config, d.num_samples), corpus)
+        train, val = split_stream(corpus, config, d.num_samples)
+        train.contents = stream_sha256(corpus)
+        return train, val
     if d.byte_range is not None:
         return byte_ranges(config)
     from picotron.tokenized_data import dataset_tokens

@@ -27,6 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (exists and is no zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def launch(config_path: str, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run train.py as a user does: plain python for one rank, torchrun for more; it fails
     by raising."""

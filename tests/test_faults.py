@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from launch import ROOT, free_port, launch_many, launch_script, write_config
+from launch import ROOT, free_port, launch_many, launch_script, process_alive, write_config
 
 HEARTBEAT_S = 6.0
 LAYOUTS = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "dp2-pp2": ["--dp", "2", "--pp", "2"]}
@@ -176,16 +176,8 @@ def test_workers_exit_when_the_launcher_dies(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     killed = time.time()
     proc.wait()
-    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in pids),
+    wait_for(lambda: not any(process_alive(p) for p in pids),
              timeout=HEARTBEAT_S * 3 + 30, every=0.1)
     took = time.time() - killed
     print(f"\nworkers gone {took:.1f} s after torchrun was killed")
     assert took <= HEARTBEAT_S / 4 + 5, took
-
-
-def _alive(pid) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # not a zombie
-    except OSError:
-        return False

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launch import ROOT, launch_script
+from launch import ROOT, launch_script, process_alive
 
 RANKS = """
 import json, os, sys, time
@@ -31,14 +31,6 @@ def write_script(tmp_path):
     return str(path)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_ranks_get_torchrun_environment_and_argv(tmp_path):
     out = launch_script(write_script(tmp_path), 3, [-1, 0]).stdout
     ranks = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["RANK"])
@@ -56,7 +48,7 @@ def test_a_failing_rank_fails_the_launch_and_stops_the_others(tmp_path):
     assert time.time() - start < 60          # the sleeping ranks did not sleep 600 s
     pids = [json.loads(line)["pid"] for line in str(failed.value).splitlines()
             if line.startswith("{")]
-    assert len(pids) == 3 and not any(alive(p) for p in pids)
+    assert len(pids) == 3 and not any(process_alive(p) for p in pids)
 
 
 def test_a_launch_past_its_timeout_is_killed_with_its_ranks(tmp_path):
@@ -66,6 +58,6 @@ def test_a_launch_past_its_timeout_is_killed_with_its_ranks(tmp_path):
             if line.startswith("{")]
     assert len(pids) == 2
     deadline = time.time() + 10
-    while any(alive(p) for p in pids) and time.time() < deadline:
+    while any(process_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
-    assert not any(alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)

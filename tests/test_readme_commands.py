@@ -9,7 +9,6 @@ is the environment this suite already runs in, so it is the one line not run her
 The commands run in a fresh folder that holds links to the repository's scripts and package,
 so their relative paths (`tmp/debug/...`) resolve as they would in a clone.
 """
-import json
 import math
 import os
 import re
@@ -19,7 +18,7 @@ import sys
 
 import torch
 
-from launch import ROOT
+from launch import ROOT, read_metrics
 from picotron.data import embedded_corpus_bytes
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
@@ -59,14 +58,13 @@ def unigram_entropy(tokens) -> float:
     return -(p * p.log()).sum().item()
 
 
-def check_metrics_and_learning(path):
+def check_metrics_and_learning(config_path):
     """The first run's 200 steps of `debug` on the stdlib corpus logged every metric the README
     lists, and learned. Threshold: the mean loss of the last 20 steps must be 0.3 nats below
     the corpus's byte unigram entropy (about 3.3 nats; ln 256 = 5.55 at the start). Beating
     the unigram entropy is only possible by using the context, so this cannot pass by learning
     byte frequencies alone (it ends near 2.2)."""
-    with open(path) as f:
-        records = [r for r in map(json.loads, f) if r["step"] <= 200]   # not the resume's
+    records = [r for r in read_metrics(config_path) if r["step"] <= 200]   # not the resume's
     assert [r["step"] for r in records] == list(range(1, 201))
     assert all(METRIC_KEYS <= set(r) for r in records)
     assert abs(records[0]["loss"] - math.log(256)) < 0.2        # uniform-ish start
@@ -89,7 +87,7 @@ def test_quick_start_runs_as_printed(tmp_path):
     assert "checkpoint" in train.splitlines()[-1] and "step_000200" in train.splitlines()[-1]
     first = losses(train)
     assert first[-1] < first[0] - 1.0, "the quick start does not learn"
-    check_metrics_and_learning(tmp_path / "tmp" / "debug" / "metrics.jsonl")
+    check_metrics_and_learning(str(tmp_path / "tmp" / "debug" / "config.json"))
     assert generate.startswith("def ") and len(generate) > 10, generate
     assert "LlamaForCausalLM" in load, load
     # The fine-tune starts from the exported weights: its first loss is the trained model's,

@@ -41,12 +41,6 @@ def warm_up() -> None:
     import torch._dynamo  # noqa: F401  (torch.optim imports it at its first parameter group)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_rank(rank: int, nproc: int, port: int, script: str, args: list) -> int:
     """In the forked child: torchrun's worker environment, then the script; its exit code."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -68,6 +62,7 @@ def run_rank(rank: int, nproc: int, port: int, script: str, args: list) -> int:
 
 def fork_ranks(nproc: int, script: str, args: list) -> int:
     """Fork the ranks, wait for them all; the first failure ends the rest, as in torchrun."""
+    from launch import free_port        # importable once warm_up has put tests/ on sys.path
     port = free_port()
     children = {}
     for rank in range(nproc):
