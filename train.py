@@ -91,7 +91,7 @@ def build_model(config, pgm, device):
     # Parallelism is applied to the skeleton here, one `apply_<axis>(model, pgm, config)` per
     # axis, in this order: tensor parallel (swap linears for sharded ones, so the pipeline
     # split below moves sharded layers), pipeline parallel (keep this stage's layers),
-    # context parallel (swap the attention function for ring attention).
+    # context parallel (swap the attention function for ring attention or Ulysses).
     model = apply_tensor_parallel(model, pgm, config)
     model = apply_pipeline_parallel(model, pgm, config)
     model = apply_context_parallel(model, pgm, config)
@@ -120,7 +120,7 @@ def build_training(config, pgm, device):
     else:
         grads = GradBuckets(model, pgm, config)        # parameters now live in flat buckets
     if config.training.cuda_graphs:    # written in place from now on, so the graphs stay valid
-        capture_layers(model, config, device)
+        capture_layers(model, config, device, grads)
     optimizer = build_optimizer(grads, pgm, config, device)
     return model, loss_fn, grads, optimizer
 
@@ -130,7 +130,8 @@ def train_step(model, loss_fn, grads, batches, step, config, pgm, device, loss_s
 
     Each micro-batch's loss is divided by the number of micro-batches, so the gradients are
     those of the mean loss over the global batch. Only the last micro-batch's backward starts
-    the gradient reductions (`grads.sync`); `loss_scale` is 1 except with fp16."""
+    the gradient reductions (`grads.sync`; ZeRO-3 instead reduce-scatters each micro-batch's
+    gradients as they complete); `loss_scale` is 1 except with fp16."""
     if pgm.pp_size > 1:     # the schedule runs the micro-batches (same loss scaling)
         return pipeline_train_step(model, loss_fn, grads, batches, step, config, pgm,
                                    loss_scale)

@@ -1,7 +1,7 @@
 """The attention functions a model can be built with (`model.attn_implementation`).
 
-Each takes q (B, H, T, D), k and v (B, K, T, D), and the tokens' positions (which only ring
-attention, picotron/context_parallel, needs), and returns (B, H, T, D), causal. H may be a
+Each takes q (B, H, T, D), k and v (B, K, T, D) and returns (B, H, T, D), causal: the
+positions are already in q and k (RoPE), and the causal order is the sequence's order. H may be a
 multiple of K (grouped-query attention): query head h reads kv head h // (H/K).
 """
 import importlib.util
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from picotron.config import MissingPackage
 
 
-def eager_attention(q, k, v, position_ids=None):
+def eager_attention(q, k, v):
     """The readable reference: softmax(q k^T / sqrt(D) + causal mask) v.
 
     q (B, H, T, D), k and v (B, K, T, D); query head h reads kv head h // (H/K)."""
@@ -26,13 +26,13 @@ def eager_attention(q, k, v, position_ids=None):
     return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
-def sdpa_attention(q, k, v, position_ids=None):
+def sdpa_attention(q, k, v):
     """PyTorch's fused attention (flash / cuDNN / memory-efficient kernels, math on CPU)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def flash_attention(q, k, v, position_ids=None):
+def flash_attention(q, k, v):
     """flash-attn's kernel, which wants (B, T, H, D) and handles GQA itself."""
     from flash_attn import flash_attn_func
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)

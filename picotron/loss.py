@@ -77,8 +77,8 @@ def vocab_parallel_cross_entropy(logits, targets, group):
 
     logits (B, T, V_local) this rank's columns, targets (B, T) global ids, replicated over TP.
     Forward: a MAX and a SUM all-reduce of (B*T) numbers. Backward: no communication; the
-    gradient of the logits stays sharded like them. Equals `model.causal_lm_loss` on the
-    gathered logits."""
+    gradient of the logits stays sharded like them. Equals `causal_lm_loss` (above) on
+    the gathered logits."""
     return _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(),
                                             group)
 

@@ -12,8 +12,8 @@ Parallelism never appears here. It reaches the model only through its structure:
 - layers live in a dict keyed by their global index ("0".."L-1"), so a pipeline stage keeps a
   subset and every parameter keeps a name that does not depend on the layout;
 - `embed_tokens`, `norm` and `lm_head` may be None (pipeline stages without them);
-- attention goes through `attention_fn(q, k, v, position_ids)`, which context parallelism
-  replaces with ring attention.
+- attention goes through `attention_fn(q, k, v)`, which context parallelism replaces with
+  ring attention or Ulysses (`distributed.cp_mode`).
 """
 import zlib
 
@@ -84,14 +84,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.attention_fn = attention_fn
 
-    def forward(self, x, cos, sin, position_ids):
+    def forward(self, x, cos, sin):
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism the projections hold this rank's heads only
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)      # (B, H, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)      # (B, K, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)      # (B, K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attention_fn(q, k, v, position_ids)                        # (B, H, T, D)
+        out = self.attention_fn(q, k, v)                                      # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))            # (B, T, C)
 
 
@@ -120,11 +120,11 @@ class DecoderLayer(nn.Module):
                                          else norm(cfg.hidden_size, cfg.rms_norm_eps))
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, position_ids):
+    def forward(self, x, cos, sin):
         h = self.input_layernorm(x)
         if self.parallel_residual:
-            return x + self.self_attn(h, cos, sin, position_ids) + self.mlp(h)
-        x = x + self.self_attn(h, cos, sin, position_ids)
+            return x + self.self_attn(h, cos, sin) + self.mlp(h)
+        x = x + self.self_attn(h, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -155,7 +155,7 @@ class Decoder(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=x.device).expand(B, T)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, x.dtype)
-        x = self.run_layers(keys, x, cos, sin, position_ids)
+        x = self.run_layers(keys, x, cos, sin)
         if str(self.cfg.num_hidden_layers - 1) not in keys:     # not the end of the model yet
             return x                                            # (B, T, C) to the next stage
         if self.norm is not None:       # held with the last layer, by the last stage
@@ -164,10 +164,12 @@ class Decoder(nn.Module):
             x = self.lm_head(x)                                            # (B, T, V)
         return x
 
-    def run_layers(self, keys, x, cos, sin, position_ids):
-        """The layers named by `keys`, in order: (B, T, C) -> (B, T, C)."""
+    def run_layers(self, keys, x, cos, sin):
+        """The layers named by `keys`, in order: (B, T, C) -> (B, T, C). A method of its own
+        so that a plug-in (CUDA graphs, picotron/speed) can replace the layer loop on the
+        instance; the model runs its layers through nothing else."""
         for key in keys:
-            x = self.layers[key](x, cos, sin, position_ids)
+            x = self.layers[key](x, cos, sin)
         return x
 
 

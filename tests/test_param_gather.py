@@ -79,3 +79,17 @@ def test_without_overlap_the_gathers_are_waited_at_once(tmp_path):
     grads.all_gather_params()
     assert not grads.gather.pending
     assert grads.gather.wait_log == grads.gather.launch_order
+
+
+def test_under_cuda_graphs_the_gathers_are_waited_at_once(tmp_path, monkeypatch):
+    """A replayed graph skips the layers' pre-hooks, where the overlapped gathers wait: the
+    plug-in must turn the overlap off, or a replay would read half-gathered weights."""
+    from picotron.speed import cuda_graphs
+    model, grads = build(tmp_path)
+    assert grads.gather.overlap
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", lambda stack, args: stack)
+    cuda_graphs.capture_layers(model, load_config(tmp_path / "g" / "config.json"), "cpu",
+                               grads)
+    grads.all_gather_params()
+    assert not grads.gather.pending
+    assert grads.gather.wait_log == grads.gather.launch_order

@@ -1,6 +1,6 @@
 """Entering context parallelism: swap every layer's attention for one bound to the cp group.
 
-The model never learns about the ring: `Attention.attention_fn(q, k, v, position_ids)` is the
+The model never learns about the ring: `Attention.attention_fn(q, k, v)` is the
 one seam (see model.py). Everything else of context parallelism happens in the training loop:
 `shard_sequence` hands each rank its zigzag share of the tokens, targets and positions, and the
 gradients are averaged over the cp*dp group (data_parallel), since cp ranks see different

@@ -132,9 +132,9 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, position_ids=None, *, pgm, fused: bool = False):
+def ring_attention(q, k, v, *, pgm, fused: bool = False):
     """The `attention_fn` that context parallelism swaps into every layer.
 
-    position_ids are not read: the zigzag layout of the tokens is implied by pgm.cp_rank (they
-    already went into RoPE). fused picks the per-block kernel (kernels.py)."""
+    It needs no positions: the zigzag layout of the tokens is implied by pgm.cp_rank (their
+    positions already went into RoPE). fused picks the per-block kernel (kernels.py)."""
     return RingAttention.apply(q, k, v, pgm, fused)

@@ -8,7 +8,7 @@ Before attention every rank holds all heads of its T tokens. One all-to-all give
 N/cp heads of all cp*T tokens; it runs ordinary causal attention (the model's own kernel) on
 them, and a second all-to-all brings the output back to all heads of its own tokens. Ring
 attention sends K/V cp-1 times around; Ulysses moves q, k, v and out once each, but needs the
-head counts divisible by cp (config.py refuses the rest).
+head counts divisible by cp (config_checks.py refuses the rest).
 
 Query head h reads kv head h // (H/K). Splitting both head lists into cp contiguous groups
 keeps each query head with its kv head on the same rank: rank i gets query heads
@@ -66,10 +66,10 @@ def heads_to_seq(x, pgm):
     return heads.transpose(0, 1).reshape(B, cp * n, T_full // cp, D)
 
 
-def ulysses_attention(q, k, v, position_ids=None, *, pgm, attention_fn):
+def ulysses_attention(q, k, v, *, pgm, attention_fn):
     """q (B, H, T, D), k and v (B, K, T, D) of this rank's tokens -> out (B, H, T, D).
 
     `attention_fn` is the model's causal attention (eager, sdpa, flash): after the all-to-all
     it sees whole sequences in position order, as on one process."""
     q, k, v = (seq_to_heads(t, pgm) for t in (q, k, v))
-    return heads_to_seq(attention_fn(q, k, v, None), pgm)
+    return heads_to_seq(attention_fn(q, k, v), pgm)

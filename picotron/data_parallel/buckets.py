@@ -93,7 +93,7 @@ class GradBuckets:
         # ZeRO >= 1: the updated shards gathered again, each block waiting for its own
         self.gather = ParamGather(model, self.buckets, self.bucket_of, self.group,
                                   self.shard_index, d.overlap_param_gather
-                                  and not config.training.cuda_graphs) if self.shards > 1 else None
+                                  ) if self.shards > 1 else None
         # per step: fresh (params whose main_grad is not yet written), launch_log (bucket
         # index, gradients ready so far: overlap evidence), _ready_total, _sync
         self.zero_grad()

@@ -74,12 +74,8 @@ class DistributedAdamW:
         for i, tp_sharded in enumerate((True, False)):
             shards = [self.grads.grad_shard(b) for b in self.grads.buckets
                       if not b.norm_skip and b.tp_sharded == tp_sharded]
-            if shards and device.type == "cuda":    # blocked fp32 sums, no squared copy
-                sq[i] = torch.stack(torch._foreach_norm(shards, dtype=torch.float32)
-                                    ).square().sum()
-            elif shards:     # CPU: torch.sum's pairwise sum; the CPU norms accumulate one by
-                # one and lose 1e-5 relative over 3M elements, which the parity tests see
-                sq[i] = sum(g.float().pow(2).sum() for g in shards)
+            if shards:
+                sq[i] = self.sum_of_squares(shards)
         pgm = self.pgm
         if self.grads.shards > 1:
             dist.all_reduce(sq, group=pgm.cp_dp_group)
@@ -89,6 +85,12 @@ class DistributedAdamW:
         if pgm.pp_size > 1:
             dist.all_reduce(total, group=pgm.pp_group)
         return total.sqrt()
+
+    def sum_of_squares(self, shards):
+        """The sum over the shards of sum(g^2), in fp32 (a 0-dim tensor). torch.sum adds
+        pairwise; torch's CPU norms add one by one and lose 1e-5 relative over 3M elements,
+        which the parity tests would see."""
+        return sum(g.float().pow(2).sum() for g in shards)
 
     def clip_factor(self, norm):
         """The factor that brings the gradient norm down to training.max_grad_norm (at most 1;
@@ -118,8 +120,8 @@ class DistributedAdamW:
     def weights_changed(self):
         """Bump every parameter's version counter, as an in-place op on it would. The update
         wrote the flat buffers the parameters are views of, whose counters are not the
-        parameters' own (`p.data = view` keeps p's), and what is keyed on a parameter's
-        version (the FP8 weight cache, picotron/speed/fp8_weights.py) must see the step."""
+        parameters' own (`p.data = view` keeps p's), and whatever is keyed on a parameter's
+        version (a cache of its cast copies, as the FP8 plug-in keeps) must see the step."""
         torch.autograd.graph.increment_version([p for b in self.grads.buckets
                                                 for p in b.members])
 
@@ -199,6 +201,7 @@ class DistributedAdamW:
                     master.copy_(piece(lambda p: state[p]["master"] if has else p))
             if all("exp_avg" in state.get(p, {}) for p in b.members):
                 fused = opt.defaults.get("fused")
+                # torch's AdamW keeps `step` on the CPU unless fused (or capturable)
                 opt.state[master] = {
                     "step": torch.tensor(float(state["step"]), dtype=torch.float32,
                                          device=master.device if fused else "cpu"),

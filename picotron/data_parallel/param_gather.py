@@ -19,8 +19,8 @@ is waited for by a pre-hook on the whole model, before anything runs, so its buc
 launched first. A plug-in that reads a block's weights must do so inside that block's forward
 (ours do). Anything that reads parameters outside a forward calls `wait()` first:
 GradBuckets.finish (before the next optimizer step writes the shards) and full_parameters (a
-checkpoint's save or load). CUDA graphs replay the layers without their hooks: with
-training.cuda_graphs, or distributed.overlap_param_gather=false, `start` waits at once.
+checkpoint's save or load). With distributed.overlap_param_gather=false, or `overlap` set
+to False by a plug-in that runs the layers without their hooks, `start` waits at once.
 """
 import torch.nn as nn
 

@@ -11,7 +11,7 @@ is in use: its storage is resized to zero otherwise.
     forward of layer i     pre-hook:  all-gather layer i (waited), start layer i+1's gather
                            post-hook: free layer i
     backward of layer i    entry:     all-gather layer i again, start layer i-1's gather
-                           each gradient, as it is accumulated: added into an fp32 buffer;
+                           each gradient, as it is accumulated: added into the bucket's buffer;
                            a bucket's last one: reduce-scatter the bucket (async, one in
                            flight at a time); the layer's last one: free layer i
     end of backward        finish():  wait for the reduce-scatters; free every unit
@@ -78,7 +78,7 @@ class _GatherForBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, zero3, index: int, x):
         ctx.zero3, ctx.index = zero3, index
-        return x.view_as(x)
+        return x.view_as(x)     # a Function returning its input unchanged must return a view
 
     @staticmethod
     def backward(ctx, grad):
@@ -227,7 +227,9 @@ class ShardedParams:
 
     def _reduce(self, b):
         """Average the bucket's whole gradient over cp_dp into this rank's shard: a
-        reduce-scatter, left in flight while backward goes on (one at a time)."""
+        reduce-scatter, left in flight while backward goes on. One at a time: each one in
+        flight keeps a bucket's whole gradient alive, so waiting for the previous one first
+        bounds the gradients held to about two buckets."""
         grads, b.grads, b.written = b.grads, None, set()
         self._drain()
         if self.size == 1:

@@ -121,7 +121,8 @@ def pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm):
     The virtual stages s = 0 .. pp*v-1 run one after the other (validation is rare, so no
     schedule overlaps them): the rank holding stage s (s % pp) receives its input from the
     holder of s - 1, runs its chunk and sends the output on, exactly what a training forward
-    sends. Every rank walks the same sequence, so each send meets its receive in order."""
+    sends. Each rank visits its own virtual stages in increasing order, and the stages form
+    one chain, so each receive waits for exactly one send."""
     pp, rank, ranks = pgm.pp_size, pgm.pp_rank, pgm.pp_group_ranks
     chunks = rank_chunks(config, rank)
     last = pp * len(chunks) - 1

@@ -64,7 +64,12 @@ def interleaved(pp: int, rank: int, micro_batches: int, v: int) -> list:
     visit the chunks in the opposite order. With chunks v times smaller, the pipeline fills
     and drains v times faster: the bubble shrinks by v for the same micro-batches.
 
-    Warm-up: (pp - r - 1) * 2 + (v - 1) * pp forwards (fill every chunk of the pipeline).
+    Warm-up: (pp - r - 1) * 2 + (v - 1) * pp forwards. Rank r's first backward is micro-batch
+    0's on its last chunk. It comes after the (v - 1) * pp forwards of the group's earlier
+    chunks, and after micro-batch 0 went on through the pp - r - 1 later ranks and its
+    gradient came back through them: 2 (pp - r - 1) transfers, a chunk's work each, which
+    the rank fills with forwards of later micro-batches instead of waiting (plain 1F1B has
+    no other chunk to run then, so it waits: that is the bubble interleaving shrinks).
     Steady state: one forward, one backward. Cool-down: the remaining backwards."""
     total = micro_batches * v
 

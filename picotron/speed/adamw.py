@@ -5,6 +5,7 @@ also unscales, clips, and writes the bf16 parameters, and whose step never makes
 What the subclass changes, and why:
 - `update`: torch's foreach AdamW takes five passes over every gradient (clip in place, cast,
   AdamW, copy the fp32 master back into the bf16 weights); the kernel takes one.
+- `sum_of_squares` (the gradient norm's): torch's blocked fp32 norms, with no squared copy.
 - `step`: the reference reads the gradient norm on the host to skip a non-finite step. Here
   the skip flag goes to the kernel as a device scalar, which then writes nothing, so nothing
   waits. fp16 loss scaling (the scaler must see an overflow) and CPU offload (its AdamW runs on
@@ -39,6 +40,11 @@ class TritonAdamW(DistributedAdamW):
         self.grads.all_gather_params()
         self.weights_changed()
         return norm, ~finite            # skipped: a device bool, read when the step is logged
+
+    def sum_of_squares(self, shards):
+        """The gradient norm's squares as blocked fp32 sums on the GPU, with no squared copy
+        of each shard (the reference's pow(2) allocates one)."""
+        return torch.stack(torch._foreach_norm(shards, dtype=torch.float32)).square().sum()
 
     def update(self, lr: float, grad_mul):
         """The reference's step (fp16, offload) calls this once it knows the step is finite:

@@ -37,7 +37,7 @@ from picotron.model import rope_cos_sin
 
 
 class LayerStack(nn.Module):
-    """All of a Decoder's layers as one module (x, cos, sin, position_ids) -> x (B, T, C): the
+    """All of a Decoder's layers as one module (x, cos, sin) -> x (B, T, C): the
     form torch.cuda.make_graphed_callables captures, its parameters those of the layers."""
 
     def __init__(self, decoder):
@@ -46,15 +46,19 @@ class LayerStack(nn.Module):
         self.keys = list(decoder.layers)
         self.eager = decoder.run_layers        # Decoder.run_layers, bound to the decoder
 
-    def forward(self, x, cos, sin, position_ids):
-        return self.eager(self.keys, x, cos, sin, position_ids)
+    def forward(self, x, cos, sin):
+        return self.eager(self.keys, x, cos, sin)
 
 
-def capture_layers(model, config, device):
+def capture_layers(model, config, device, grads=None):
     """Capture `model`'s layers (all of them: pp is 1) for one micro-batch, and route the
     model's training forwards through the graphs by replacing `run_layers` on the instance.
-    Call after GradBuckets(model, ...). Under training.fp8="tensorwise_delayed" the capture
+    Call after GradBuckets(model, ...) (`grads`): under ZeRO its parameter gathers wait in
+    the layers' forward pre-hooks, which a replay skips, so they are made to wait at the
+    step's end instead (ParamGather.overlap). Under training.fp8="tensorwise_delayed" the capture
     waits for the end of the calibrating first step (fp8_delayed.py), which runs eager."""
+    if getattr(grads, "gather", None) is not None:
+        grads.gather.overlap = False
     t, m = config.training, config.model
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype
@@ -75,7 +79,7 @@ def capture_layers(model, config, device):
         # Runs 3 warm-up forwards and backwards (Triton compiles, cuBLAS picks its kernels),
         # then captures; torch.autograd.grad is used throughout, so no parameter's .grad is
         # touched.
-        graphs["stack"] = torch.cuda.make_graphed_callables(stack, (x, cos, sin, position_ids))
+        graphs["stack"] = torch.cuda.make_graphed_callables(stack, (x, cos, sin))
         if seen is not None:
             ledger.seen.copy_(seen)
         # the caches the layers used (with our kernels the fused blocks', not their linears')
@@ -87,20 +91,20 @@ def capture_layers(model, config, device):
         capture()
     eager, keys = model.run_layers, stack.keys
 
-    def run_layers(run_keys, x, cos, sin, position_ids):
+    def run_layers(run_keys, x, cos, sin):
         if (list(run_keys) == keys and tuple(x.shape) == (B, T, m.hidden_size)
                 and model.training and torch.is_grad_enabled()):
             if not graphs:
                 if ledger.calibrating:
-                    return eager(run_keys, x, cos, sin, position_ids)
+                    return eager(run_keys, x, cos, sin)
                 torch.cuda.empty_cache()       # the eager step's blocks, before the pool
                 capture()
             if any(cache.stale() for cache in graphs["caches"]):   # after an optimizer step
                 graphs["recasts"].replay()
                 for cache in graphs["caches"]:
                     cache.mark_fresh()
-            return graphs["stack"](x, cos, sin, position_ids)
-        return eager(run_keys, x, cos, sin, position_ids)
+            return graphs["stack"](x, cos, sin)
+        return eager(run_keys, x, cos, sin)
     model.run_layers = run_layers
     return model
 

@@ -24,13 +24,13 @@ class LigerRMSNorm(RMSNorm):
 
 
 class LigerAttention(Attention):
-    def forward(self, x, cos, sin, position_ids):
+    def forward(self, x, cos, sin):
         B, T, _ = x.shape
         # q (B, H, T, D), k and v (B, K, T, D): views of the (B, T, heads, D) projections
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = liger_rope(q, k, cos, sin)
-        out = self.attention_fn(q, k, v, position_ids)                          # (B, H, T, D)
+        out = self.attention_fn(q, k, v)                                        # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))              # (B, T, C)
 
 

@@ -16,7 +16,10 @@ Backward needs tensors saved by forward; at seq 2048 they, not the weights, fill
   which already keep only their inputs; what is left to drop is the SwiGLU output that the
   down projection keeps. There "selective" does not use torch's checkpoint at all: the MLP
   runs swiglu_linear (triton_swiglu.py), which recomputes that output inside its own backward
-  (`TritonMLP.recompute_swiglu`).
+  (`TritonMLP.recompute_swiglu`). Under distributed.tp_comm_overlap with model.kernels="torch",
+  torch's checkpoint keeps the outputs of mm, not of the ring's batched GEMMs
+  (tensor_parallel/overlap.py), so backward recomputes the rings' GEMMs and transfers
+  (correct, slower).
 Both use PyTorch's non-reentrant checkpoint, which recomputes the same kernels on the same
 inputs, so losses and gradients are bitwise those of "none" (tests/test_speed.py).
 

@@ -59,11 +59,11 @@ class TritonDecoderLayer(DecoderLayer):
     norm's backward (triton_norms.py). The textbook forward where that norm is hooked (tensor
     parallelism's entry into the MLP block, unless tp_comm_overlap) or absent (PaLM)."""
 
-    def forward(self, x, cos, sin, position_ids):
+    def forward(self, x, cos, sin):
         norm = self.post_attention_layernorm
         if not hasattr(norm, "add_norm") or norm._forward_hooks or norm._forward_pre_hooks:
-            return super().forward(x, cos, sin, position_ids)
-        x, h = norm.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, position_ids))
+            return super().forward(x, cos, sin)
+        x, h = norm.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin))
         return x + self.mlp(h)
 
 
@@ -72,13 +72,13 @@ class TritonAttention(Attention):
         """x @ cat(weights)^T as one GEMM (fp8_triton.py's subclass runs it in FP8)."""
         return fused_linear(x, weights)
 
-    def forward(self, x, cos, sin, position_ids):
+    def forward(self, x, cos, sin):
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         heads, kv_heads = (w.shape[0] // self.head_dim for w in weights[:2])   # this rank's
         qkv = self.project(x, weights)                              # (B, T, (H + 2K) * D)
         B, T, _ = qkv.shape           # all T tokens, even where x is a chunk (tp_comm_overlap)
         q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)          # (B, H|K, T, D), rotated
-        out = self.attention_fn(q, k, v, position_ids)                          # (B, H, T, D)
+        out = self.attention_fn(q, k, v)                            # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))              # (B, T, C)
 
 

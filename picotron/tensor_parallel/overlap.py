@@ -33,11 +33,8 @@ On CPU (gloo) the same code is correct but nothing overlaps: the tests check the
 speed.
 
 Left exposed: the embedding's reduce-scatter and the final norm's all-gather before the head
-(no GEMM of ours to hide them behind). model.kernels="triton" runs its fused projections
-through the same rings (speed/triton_layers.py), its "selective" recomputation included.
-With model.kernels="torch" and "selective", torch's checkpoint keeps the outputs of mm, not
-of the batched GEMMs here, so backward recomputes the rings' GEMMs and transfers (correct,
-slower).
+(no GEMM of ours to hide them behind). Speed plug-ins run their fused projections through
+the same rings (`ring_column_linear`'s `stack`, `RowParallelLinear.reduce`).
 
 Every GEMM writes straight into its rows of the output: for each sequence b, rows [j*t,
 (j+1)*t) of y[b] are one contiguous (t, O) block, T*O elements after the previous sequence's,
@@ -195,8 +192,8 @@ class _RingRow(torch.autograd.Function):
 
 def ring_column_linear(x, weights, group, stack=torch.cat):
     """gather_T(x) @ cat(weights)^T with the gather overlapped: x (B, t, C) -> (B, T, sum O_i).
-    `stack` concatenates the weights (O_i, C) along dim 0; the Triton kernels pass one that
-    returns a view when they lie back to back in the gradient buckets' buffer."""
+    `stack` concatenates the weights (O_i, C) along dim 0 (a plug-in may pass one that
+    returns a view when they lie back to back in memory)."""
     return _RingColumn.apply(x, group, stack, *weights)
 
 
@@ -216,14 +213,14 @@ class OverlapAttention(Attention):
     def project(self, x, weights):
         return ring_column_linear(x, weights, self.tp_group)
 
-    def forward(self, x, cos, sin, position_ids):
+    def forward(self, x, cos, sin):
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         qkv = self.project(x, weights)                    # (B, T, (H + 2K) * D / tp)
         B, T, _ = qkv.shape
         q, k, v = (p.view(B, T, -1, self.head_dim).transpose(1, 2)
                    for p in qkv.split([w.shape[0] for w in weights], dim=-1))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attention_fn(q, k, v, position_ids)                       # (B, H, T, D)
+        out = self.attention_fn(q, k, v)                  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))           # (B, t, C)
 
 

@@ -24,8 +24,8 @@ each block's all-gather and reduce-scatter run as rings interleaved with its GEM
 The embedding is split by vocabulary rows, the head by vocabulary columns; the logits stay
 sharded and the loss is taken from them (picotron/loss.py, vocab-parallel cross-entropy).
 With tied embeddings the head reuses the embedding's shard. GQA: each rank keeps whole kv
-heads, so num_key_value_heads must be divisible by tp (checked in config.py; kv heads are not
-replicated).
+heads, so num_key_value_heads must be divisible by tp (checked in config_checks.py; kv heads are
+not replicated).
 """
 import fnmatch
 from functools import partial
@@ -111,7 +111,8 @@ def apply_tensor_parallel(model, pgm, config):
                                         with_kwargs=True)
         # Under SP each TP rank computes the norm weights' gradients from its own T/tp tokens:
         # the data-parallel buckets sum them over TP (`grad_sum_group`) before averaging
-        # over cp_dp. Afterwards they are equal on all TP ranks, so the norm counts them once.
+        # over cp_dp. Afterwards they are equal on all TP ranks, so the global gradient norm
+        # counts them once (replicated buckets are not summed over TP).
         for p in model.parameters():
             if not hasattr(p, "local_slice"):
                 p.grad_sum_group = pgm.tp_group
