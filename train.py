@@ -35,8 +35,8 @@ from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.speed.fp8_layers import settle_auto_fp8
 from picotron.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
-from picotron.utils import (MetricsLog, StepValues, import_loggers, lr_at, set_cpu_threads,
-                            set_seed)
+from picotron.utils import (MetricsLog, StepValues, import_loggers, lr_at, set_aside_metrics,
+                            set_cpu_threads, set_seed)
 from picotron.validation import validation_line, validation_loss, validation_record
 from picotron.watchdog import Watchdog
 
@@ -219,6 +219,11 @@ def main(argv=None):
         record_launch(run_dir, sys.argv, args.set, start_step)
     if is_logger and start_step:
         print(f"resumed at step {start_step} from {config.checkpoint.load_path}", flush=True)
+    elif is_logger and config.checkpoint.load_path == "latest":     # nothing to resume yet
+        aside = set_aside_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        print(f"no checkpoint under {save_root(config, run_dir)} yet: starting at step 0"
+              + (f"; the metrics.jsonl of an earlier run there is now {aside}" if aside
+                 else ""), flush=True)
     if start_step >= t.total_train_steps:
         if is_logger:
             print(f"nothing to train: the checkpoint is at step {start_step} and "

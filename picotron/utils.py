@@ -3,6 +3,8 @@ import json
 import math
 import os
 import random
+import sys
+import time
 
 import torch
 
@@ -80,6 +82,37 @@ def import_loggers(config) -> dict:
     return found
 
 
+def read_records(path: str):
+    """metrics.jsonl's records as (step, line) pairs, and the numbers of the lines that are
+    not a record (not a JSON object with an integer "step": a half-written last line)."""
+    records, broken = [], []
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = record["step"] if isinstance(record, dict) else None
+            except (ValueError, KeyError):
+                step = None
+            if type(step) is int:
+                records.append((step, line if line.endswith("\n") else line + "\n"))
+            else:
+                broken.append(number)
+    return records, broken
+
+
+def set_aside_metrics(path: str):
+    """A run that starts over at step 0 in a directory whose metrics.jsonl holds records (an
+    earlier run there that left no checkpoint) would truncate them: they are moved to
+    metrics.jsonl.replaced-<UTC time> instead. Returns that name, or None."""
+    if not os.path.isfile(path) or not read_records(path)[0]:
+        return None
+    aside = f"{path}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    os.replace(path, aside)
+    return aside
+
+
 class MetricsLog:
     """Appends one JSON object per line to <run_dir>/metrics.jsonl (only on the logging rank),
     to Weights & Biases when `logging.use_wandb` is set, and to TensorBoard event files in
@@ -100,9 +133,12 @@ class MetricsLog:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             kept = []
             if keep_until_step and os.path.exists(path):
-                with open(path) as f:
-                    kept = [line for line in f if line.strip()
-                            and json.loads(line)["step"] <= keep_until_step]
+                records, broken = read_records(path)
+                kept = [line for step, line in records if step <= keep_until_step]
+                if broken:      # a run killed while writing a line leaves half of one
+                    print(f"warning: {path}: dropped {len(broken)} line(s) that are not a "
+                          f"whole record (line {', '.join(map(str, broken[:5]))}; a run "
+                          f"killed while writing?)", file=sys.stderr, flush=True)
             with open(path, "w") as f:
                 f.writelines(kept)
         loggers = import_loggers(config) if enabled and config is not None else {}

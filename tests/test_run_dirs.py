@@ -77,6 +77,29 @@ def test_a_resume_from_an_older_checkpoint_keeps_what_it_writes(earlier_run, tmp
     assert "resumed at step 3" in done.stdout, done.stdout[-2000:]
 
 
+def test_latest_says_what_it_resumes_and_keeps_every_record(earlier_run, tmp_path):
+    """A metrics.jsonl whose last line was cut off (a run killed while writing it) resumes
+    with a warning, its whole records kept; `latest` with no checkpoint to resume says so and
+    moves an earlier run's records aside instead of truncating them."""
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(earlier_run), copy)
+    metrics = copy / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + whole.splitlines()[-1][:30])
+    done = train(str(copy / "config.json"), "--set", "checkpoint.load_path=latest",
+                 "--set", "training.total_train_steps=5")
+    assert "resumed at step 4" in done.stdout and done.stderr.count("dropped 1 line(s) that "
+                                                                     "are not a whole") == 1
+    assert [r["step"] for r in read_metrics(str(copy / "config.json"))] == [1, 2, 3, 4, 5]
+    done = train(str(copy / "config.json"), "--set", "checkpoint.load_path=latest",
+                 "--set", "checkpoint.save_dir=elsewhere", "--set", "checkpoint.save_final=false")
+    assert f"no checkpoint under {copy / 'elsewhere'} yet: starting at step 0; the " \
+           f"metrics.jsonl of an earlier run there is now" in done.stdout, done.stdout[-2000:]
+    aside, = [f for f in os.listdir(copy) if f.startswith("metrics.jsonl.replaced-")]
+    assert [json.loads(line)["step"] for line in open(copy / aside)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_metrics(str(copy / "config.json"))] == [1, 2, 3, 4]
+
+
 def test_steps_past_a_million_order_by_number(tmp_path):
     config = Config()
     config.model.hidden_size, config.model.intermediate_size = 32, 64
