@@ -167,11 +167,25 @@ def resolve_auto(config: Config) -> None:
     config.auto_resolved = {**getattr(config, "auto_resolved", {}), **chosen}
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs) -> dict:
+    """json's object hook: a hand-edited file that gives a key twice is refused."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
 def load_config(path: str, world_size: Optional[int] = None, overrides=()) -> Config:
     """The config file at `path`, with `--set section.key=value` overrides applied on top."""
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        with open(path, encoding="utf-8-sig") as f:       # an editor's BOM is not an error
+            raw = json.load(f, object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' does not exist; write one with "
                           f"`python create_config.py --out_dir tmp --exp_name NAME`") from None
@@ -179,6 +193,10 @@ def load_config(path: str, world_size: Optional[int] = None, overrides=()) -> Co
         raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file '{path}' gives key '{e}' twice in one section; JSON "
+                          f"would silently keep the last: delete the one you did not mean"
+                          ) from None
     missing = [f.name for f in dataclasses.fields(Config) if isinstance(raw, dict)
                and f.name not in raw]     # an empty section is the opt-in to its defaults
     if missing:

@@ -133,6 +133,18 @@ def test_a_config_path_that_is_no_json_file_is_refused(tmp_path):
             load_config(str(path))
 
 
+def test_a_key_given_twice_is_refused_and_a_bom_is_read(tmp_path):
+    """json.load keeps the last of two equal keys: a hand edit that added one above the
+    other would train with the old value, silently."""
+    path = tmp_path / "config.json"
+    text = json.dumps(Config().to_dict(), indent=2)
+    path.write_text(text.replace('"training": {', '"training": {"learning_rate": 0.1,', 1))
+    with pytest.raises(ConfigError, match="gives key 'learning_rate' twice in one section"):
+        load_config(str(path))
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())       # saved by an editor with a BOM
+    assert load_config(str(path)).training == config_from_dict(Config().to_dict()).training
+
+
 def test_tokenizer_and_weights_must_point_somewhere(tmp_path):
     folder = tmp_path / "tok"
     folder.mkdir()
