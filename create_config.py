@@ -15,6 +15,7 @@ import sys
 from picotron.checkpoint import existing_run
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config_checks import config_warnings
+from picotron.config_ranges import unwritable
 from picotron.overrides import apply_overrides
 from picotron.preflight import local_problems
 from picotron.presets import pretrained_weights, resolve_model
@@ -80,7 +81,7 @@ def flag_help(flag: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="tmp",
+    p.add_argument("--out_dir", type=os.path.expanduser, default="tmp",
                    help="parent folder of the run directory (default: tmp)")
     p.add_argument("--exp_name", default="debug",
                    help="the run directory's name: the config is written to "
@@ -165,6 +166,8 @@ def main(argv=None) -> str:
             raise ConfigError(f"--exp_name '{args.exp_name}' must name one folder inside "
                               f"--out_dir (no '/', not '.' or '..'), e.g. --exp_name debug")
         run_dir = os.path.join(args.out_dir, args.exp_name)
+        if unwritable(run_dir):
+            raise ConfigError(f"cannot write the config to '{run_dir}': {unwritable(run_dir)}")
         outputs = config.logging.run_dir or run_dir
         held = existing_run(outputs, os.path.join(outputs, config.checkpoint.save_dir))
         if held:      # their config.json is what a resume checks the checkpoints against

@@ -8,6 +8,7 @@ complete checkpoint is used). A Llama-style model exports as LlamaForCausalLM, a
 one (parallel_residual with layernorm) as CohereForCausalLM (picotron/hf_cohere.py).
 """
 import argparse
+import os
 import sys
 
 from picotron.checkpoint import CheckpointError, checkpoint_to_read
@@ -19,14 +20,14 @@ from picotron.hf_io import ExportError, check_export_dir, export_hf
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
+    p.add_argument("--checkpoint", type=os.path.expanduser, required=True,
                    help="a step_* checkpoint directory, or a run's checkpoints folder (its "
                         "latest complete checkpoint), e.g. tmp/debug/checkpoints")
-    p.add_argument("--out", required=True,
+    p.add_argument("--out", type=os.path.expanduser, required=True,
                    help="the Hugging Face model directory to write (config.json, "
                         "model.safetensors, the tokenizer's files): new, empty, or an earlier "
                         "export, never a directory of other files; e.g. tmp/debug-hf")
-    p.add_argument("--tokenizer",
+    p.add_argument("--tokenizer", type=os.path.expanduser,
                    help="a tokenizer (hub id or directory) to ship instead of the run's own "
                         "(default: the run's: byte-level, or the one it trained with)")
     return p

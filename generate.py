@@ -8,6 +8,7 @@ tokenizer is the run's (byte-level, or the Hugging Face one it trained with). No
 each token re-runs the model over the whole text (see picotron/generate.py).
 """
 import argparse
+import os
 import sys
 
 import torch
@@ -16,14 +17,14 @@ from picotron.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
 from picotron.data import DataError
 from picotron.generate import load_for_inference, sample
-from picotron.tokenizer import load_tokenizer, tokenizer_source
+from picotron.tokenizer import check_fits, load_tokenizer, tokenizer_source
 from picotron.utils import set_cpu_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
+    p.add_argument("--checkpoint", type=os.path.expanduser, required=True,
                    help="a step_* checkpoint directory, or a run's checkpoints folder (its "
                         "latest complete checkpoint), e.g. tmp/debug/checkpoints")
     p.add_argument("--prompt", default="",
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the k likeliest tokens only; 0: all (default: 0)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampling; the same seed gives the same text (default: 0)")
-    p.add_argument("--tokenizer",
+    p.add_argument("--tokenizer", type=os.path.expanduser,
                    help="a tokenizer (hub id, directory, or 'byte') instead of the run's own, "
                         "e.g. when the folder it trained with has moved")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -67,10 +68,7 @@ def main(argv=None):
         model, config = load_for_inference(path, args.device)
         fix = "give --tokenizer"         # a checkpoint's saved settings cannot be changed
         tokenizer = load_tokenizer(args.tokenizer or tokenizer_source(config, fix), fix)
-        if tokenizer.vocab_size > config.model.vocab_size:
-            raise DataError(f"tokenizer '{tokenizer.name}' has {tokenizer.vocab_size} tokens, "
-                            f"more than the model's {config.model.vocab_size}; give "
-                            f"--tokenizer the one the run trained with")
+        check_fits(tokenizer, config.model.vocab_size)
     except (CheckpointError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -29,10 +29,10 @@ class PlotError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+    p.add_argument("runs", type=os.path.expanduser, nargs="+", metavar="RUN_DIR",
                    help="a run directory (the folder holding config.json and metrics.jsonl), "
                         "or a metrics.jsonl file; several are drawn side by side")
-    p.add_argument("--out", default="metrics.png",
+    p.add_argument("--out", type=os.path.expanduser, default="metrics.png",
                    help="the image to write: a PNG, or another format its extension names "
                         "(.pdf, .svg); default: metrics.png in the current folder")
     p.add_argument("--size", default="1500x450", metavar="WIDTHxHEIGHT",

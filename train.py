@@ -172,7 +172,7 @@ def parse_args(argv=None):
         description="Train a picotron model: `torchrun --nproc_per_node N train.py --config "
                     "tmp/NAME/config.json` (N = the config's dp*tp*pp*cp), or `python "
                     "train.py --config ...` for one process.")
-    parser.add_argument("--config", required=True,
+    parser.add_argument("--config", type=os.path.expanduser, required=True,
                         help="the run's config.json, written by create_config.py; the run's "
                              "outputs go to its folder unless logging.run_dir says otherwise")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

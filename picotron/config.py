@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
@@ -124,6 +125,7 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None,
         else:
             built[key] = _build_section(hints[key], value, key, errors)
     config = Config(**built)
+    expand_home(config)
     resolved = copy.deepcopy(config)
     if not errors:
         resolve_auto(resolved)
@@ -132,6 +134,23 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None,
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
     return resolved if resolve else config
+
+
+# the keys that may name a local file or folder
+PATH_KEYS = ("model.name", "dataset.name", "dataset.tokenizer", "dataset.cache_dir",
+             "checkpoint.save_dir", "checkpoint.load_path", "checkpoint.init_from",
+             "logging.run_dir")
+
+
+def expand_home(config: Config) -> None:
+    """'~/runs/x' where no shell expanded it (`--set logging.run_dir=~/x`: bash expands a
+    '~' only at the start of a word; a hand-written config.json) is the home folder's, as
+    on the command line, not a folder named '~' in the working directory."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(config, section), name, os.path.expanduser(value))
 
 
 def resolve_auto(config: Config) -> None:

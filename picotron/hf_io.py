@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from picotron import hf_cohere
+from picotron.config_ranges import unwritable
 from picotron.shards import (CheckpointError, checkpoint_config, index_shards, load_full_weights,
                              read_slice, slice_bounds)
 
@@ -143,9 +144,15 @@ def check_export_dir(out_dir: str) -> None:
     """An export writes config.json, model.safetensors and the tokenizer's files: into a new or
     empty directory, or over an earlier export (a config.json with a `model_type`), never over
     anything else, such as a run's own config.json or its checkpoints."""
+    if not out_dir.strip():
+        raise ExportError("the export directory is empty; give a directory to create, e.g. "
+                          "--out tmp/debug-hf")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"the export directory '{out_dir}' is a file; give a directory "
                           f"to create, e.g. tmp/debug-hf")
+    problem = unwritable(out_dir)
+    if problem:
+        raise ExportError(f"cannot write the export directory '{out_dir}': {problem}")
     present = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     if not present:
         return
@@ -168,7 +175,8 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     Refused (ExportError) where it would overwrite other files (check_export_dir)."""
     from safetensors.torch import save_file
 
-    from picotron.tokenizer import load_tokenizer, save_byte_tokenizer, tokenizer_source
+    from picotron.tokenizer import (check_fits, load_tokenizer, save_byte_tokenizer,
+                                    tokenizer_source)
     check_export_dir(out_dir)
     config = checkpoint_config(checkpoint_dir)
     m = config.model
@@ -178,7 +186,9 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
         weights = hf_cohere.cohere_weights(weights, m.hidden_size // m.num_attention_heads)
     source = tokenizer or tokenizer_source(config, "give --tokenizer")
     # loaded before anything is written: a tokenizer that cannot be loaded leaves no folder
-    tok = None if source == "byte" else load_tokenizer(source, "give --tokenizer").tok
+    loaded = load_tokenizer(source, "give --tokenizer")
+    check_fits(loaded, m.vocab_size)
+    tok = None if source == "byte" else loaded.tok
     os.makedirs(out_dir, exist_ok=True)
     if tok is None:
         save_byte_tokenizer(out_dir)

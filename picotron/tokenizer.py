@@ -82,6 +82,15 @@ def tokenizer_source(config, fix: str = "set dataset.tokenizer to"):
                          f"a Hugging Face tokenizer id or path, or 'byte'")
 
 
+def check_fits(tokenizer, vocab_size: int) -> None:
+    """A tokenizer with more ids than the model's embedding rows: its ids past the table
+    would fail deep inside torch.embedding (generate.py, an export's first use)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise TokenizerError(f"tokenizer '{tokenizer.name}' has {tokenizer.vocab_size} tokens, "
+                             f"more than the model's {vocab_size}; give --tokenizer the one "
+                             f"the run trained with")
+
+
 def load_tokenizer(source: str, fix: str = "set dataset.tokenizer to"):
     """ByteTokenizer for "byte", else the Hugging Face tokenizer at `source` (path or hub id).
     `fix`: how the user names the tokenizer, for the error's fix."""

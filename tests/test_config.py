@@ -249,3 +249,22 @@ def test_a_fused_loss_under_tensor_parallelism_is_refused():
                                           "output head on one rank"):
         config_from_dict({"distributed": {"tp_size": 2, "use_cpu": True},
                           "training": {"fused_loss": "chunked"}})
+
+
+def test_a_home_relative_path_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """bash leaves '~' alone after '=' (`--out_dir=~/x`, `--set logging.run_dir=~/x`): such a
+    path is the home folder's, not a folder named '~' in the working directory; an --out_dir
+    that cannot hold a folder is refused before anything is written."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    path = create_config.main(["--out_dir=~/configs", "--exp_name", "x", "--use_cpu",
+                               "--set", "logging.run_dir=~/runs/x"])
+    assert path == str(tmp_path / "home" / "configs" / "x" / "config.json")
+    assert load_config(path).logging.run_dir == str(tmp_path / "home" / "runs" / "x")
+    assert not (tmp_path / "~").exists()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        create_config.main(["--out_dir", str(tmp_path / "afile"), "--exp_name", "x"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "cannot write the config to" in err and \
+        "is not a folder" in err and "Traceback" not in err, err

@@ -225,7 +225,8 @@ def test_export_never_overwrites_other_files(tmp_path, capsys):
     run.mkdir()
     (run / "config.json").write_text('{"model": {}}')
     for out, words in ((run, "not a Hugging Face export (config.json)"),
-                       (run / "config.json", "is a file")):
+                       (run / "config.json", "is a file"), ("", "directory is empty"),
+                       (run / "config.json" / "sub", "is not a folder (a file")):
         with pytest.raises(SystemExit) as stopped:
             cli.main(["--checkpoint", ckpt, "--out", str(out)])
         err = capsys.readouterr().err
@@ -237,6 +238,12 @@ def test_export_never_overwrites_other_files(tmp_path, capsys):
     with pytest.raises(DataError, match="give --tokenizer a tokenizer id"):
         export_hf(ckpt, str(tmp_path / "untouched"), tokenizer=str(tmp_path / "nope"))
     assert not (tmp_path / "untouched").exists()             # nothing written before that
+    small = save_tiny_checkpoint(tmp_path / "small", vocab_size=50)
+    bpe = tiny_tokenizer(str(tmp_path / "bpe"), documents(20))      # 68 ids for 50 rows
+    with pytest.raises(DataError, match="has 68 tokens, more than the model's 50; give "
+                                        "--tokenizer the one the run trained with"):
+        export_hf(small, str(tmp_path / "untouched"), tokenizer=bpe)
+    assert not (tmp_path / "untouched").exists()
 
 
 BAD_SAMPLING = [("--top_k", "-1", "--top_k -1 must be a finite number >= 0"),

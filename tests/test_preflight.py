@@ -50,7 +50,8 @@ def test_a_local_path_that_does_not_exist(tmp_path, capsys, monkeypatch):
     for name in ("./missing.jsonl", str(tmp_path / "missing"), "data/sub/corpus",
                  "corpus.parquet", "~/surely/not/here.txt", "shards/*.jsonl"):
         err = refused(tmp_path, capsys, "--dataset_name", name)
-        assert f"dataset.name={name!r} (--dataset_name)" in err, err
+        shown = os.path.expanduser(name)          # '~' is the home folder, said expanded
+        assert f"dataset.name={shown!r} (--dataset_name)" in err, err
         assert ("does not exist" in err or "matches no file" in err) and str(tmp_path) in err
     (tmp_path / "notes.xml").write_text("<a/>")
     err = refused(tmp_path, capsys, "--dataset_name", "notes.xml")
