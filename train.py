@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from picotron.attention import resolve_attention
-from picotron.checkpoint import (CheckpointError, CheckpointSaver, check_new_run, resume,
-                                 save_root)
+from picotron.checkpoint import (CheckpointError, CheckpointSaver, SharedCheckpointError,
+                                 check_new_run, resume, save_root)
 from picotron.config import ConfigError, MissingPackage, load_config
 from picotron.config_ranges import check_output_dirs
 from picotron.context_parallel import apply_context_parallel
@@ -289,7 +289,8 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, MissingPackage, SharedDataError) as e:   # alike on every rank
+    except (ConfigError, MissingPackage, SharedDataError,
+            SharedCheckpointError) as e:                    # alike on every rank
         exit_with_error(e, same_on_every_rank=True)
     except (DataError, CheckpointError, RunStopped) as e:
         exit_with_error(e, same_on_every_rank=False)

@@ -37,11 +37,12 @@ from safetensors import safe_open
 
 from picotron.async_save import CheckpointSaver
 from picotron.checkpoint_changes import check_model_shape, check_resume
-from picotron.checkpoint_verify import (STATE_FILE, directory_problems, latest_written,
-                                        step_names)
-from picotron.errors import ConfigError
-from picotron.shards import (CheckpointError, index_shards, load_full_weights,  # noqa: F401
-                             read_slice, shard_metadata, slice_bounds)
+from picotron.checkpoint_find import (check_new_run, checkpoint_to_read,  # noqa: F401
+                                      complete_checkpoints, existing_run, find_checkpoint,
+                                      resolve_checkpoint, verified)
+from picotron.shards import (CheckpointError, SharedCheckpointError,  # noqa: F401
+                             index_shards, load_full_weights, read_slice, shard_metadata,
+                             slice_bounds)
 
 
 def save_checkpoint(model, optimizer, pgm, config, save_root: str, step: int, state: dict) -> str:
@@ -50,113 +51,6 @@ def save_checkpoint(model, optimizer, pgm, config, save_root: str, step: int, st
     train.py keeps one CheckpointSaver instead, which can write in the background."""
     return CheckpointSaver(async_save=False).save(model, optimizer, pgm, config, save_root,
                                                   step, state)
-
-
-def complete_checkpoints(save_root: str) -> list:
-    """Checkpoint directories under save_root that hold a state.json, oldest first."""
-    return [d for d in _step_dirs(save_root) if os.path.isfile(os.path.join(d, "state.json"))]
-
-
-def _step_dirs(save_root: str) -> list:
-    return [os.path.join(save_root, d) for d in step_names(save_root)]
-
-
-def _verified(directory: str, pgm=None) -> tuple:
-    """(state, saved config, problems) of a whole check. Every rank hashes its share of the
-    files, and all of them get the union of the problems, so they decide together."""
-    rank, world = (0, 1) if pgm is None else (dist.get_rank(), dist.get_world_size())
-    state, saved, problems = directory_problems(directory, rank, world)
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, problems)
-        problems = list(dict.fromkeys(p for part in everyone for p in part))
-    return state, saved, problems
-
-
-def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> tuple:
-    """(directory, state, saved config) to resume from; (None, None, None) for "latest" when
-    nothing was saved yet. "latest" is the last checkpoint written (the `latest` file's) if it
-    is complete and valid, else the newest one by step that is; each one skipped is named with
-    the reason (a warning on stderr). A checkpoint named
-    explicitly is refused if anything is wrong with it. Collective when `pgm` is given."""
-    if load_path != "latest":
-        path = load_path if os.path.isabs(load_path) else os.path.join(run_dir, load_path)
-        if not os.path.isdir(path):
-            found = [os.path.relpath(d, run_dir) for d in complete_checkpoints(save_root)]
-            raise CheckpointError(f"checkpoint.load_path='{load_path}' ({path}) is not a "
-                                  f"directory; a relative path starts at the run directory, "
-                                  f"which holds {found or 'no checkpoint'}; or use 'latest'")
-        inside = step_names(path)
-        if inside and not os.path.exists(os.path.join(path, "state.json")):
-            raise CheckpointError(f"checkpoint.load_path='{load_path}' is a folder of "
-                                  f"checkpoints ({len(inside)} of them); name one of "
-                                  f"them (e.g. {os.path.join(load_path, inside[-1])}), or "
-                                  f"use 'latest' for this run's own")
-        state, saved, problems = _verified(path, pgm)
-        if problems:
-            raise CheckpointError("; ".join(problems))
-        return path, state, saved
-    skipped, candidates = [], _step_dirs(save_root)[::-1]
-    written = latest_written(save_root)
-    for i, candidate in enumerate(candidates):    # after a resume from an older checkpoint,
-        if os.path.basename(candidate) == written:  # the steps above it are another history
-            candidates.insert(0, candidates.pop(i))
-            break
-    for candidate in candidates:
-        state, saved, problems = _verified(candidate, pgm)
-        if not problems:
-            if skipped and (pgm is None or pgm.global_rank == 0):
-                print("warning: checkpoint.load_path=latest skipped " + "; ".join(skipped)
-                      + f"; resuming from {candidate}", file=sys.stderr, flush=True)
-            return candidate, state, saved
-        skipped.append(f"{os.path.basename(candidate)} ({'; '.join(problems)})")
-    if skipped:      # checkpoints exist but none can be trusted: never start over silently
-        raise CheckpointError(f"no valid checkpoint under {save_root}: {'; '.join(skipped)}; "
-                              f"repair or remove them, or start a new run in another "
-                              f"directory")
-    return None, None, None
-
-
-def existing_run(run_dir: str, save_root: str):
-    """What a run directory already holds of an earlier run (its complete checkpoints, a
-    metrics.jsonl with records), or None: a new run there would overwrite them."""
-    held = [os.path.basename(d) for d in complete_checkpoints(save_root)]
-    what = [f"checkpoints {held[0]} to {held[-1]}" if len(held) > 1 else f"checkpoint {held[0]}"
-            ] if held else []
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-        what.append("metrics.jsonl")
-    return ", ".join(what) or None
-
-
-def check_new_run(run_dir: str, save_root: str) -> None:
-    """Refuse to start a run (checkpoint.load_path null) over an earlier one's outputs."""
-    held = existing_run(run_dir, save_root)
-    if held:
-        raise ConfigError(f"the run directory '{run_dir}' already holds a run ({held}), which "
-                          f"a new run would overwrite; resume it with --set "
-                          f"checkpoint.load_path=latest, or start the new run in another "
-                          f"directory (create_config.py --exp_name OTHER, or --set "
-                          f"logging.run_dir=OTHER), or move those files away")
-
-
-def resolve_checkpoint(load_path: str, save_root: str, run_dir: str):
-    """The directory find_checkpoint picks (one process), or None."""
-    return find_checkpoint(load_path, save_root, run_dir)[0]
-
-
-def checkpoint_to_read(path: str) -> str:
-    """The verified step directory that `path` names for generate.py and export_hf.py: a step_*
-    directory itself (refused if any file is missing, unlisted or damaged), or a checkpoints
-    folder's latest valid checkpoint (bad newer ones skipped and named)."""
-    if os.path.isfile(os.path.join(path, STATE_FILE)):
-        return find_checkpoint(os.path.abspath(path), path, ".")[0]
-    found = resolve_checkpoint("latest", path, ".")
-    if found is None:
-        raise CheckpointError(f"'{path}' is neither a checkpoint (a step_* directory with a "
-                              f"{STATE_FILE}) nor a folder of them; give e.g. "
-                              f"tmp/debug/checkpoints or tmp/debug/checkpoints/step_000200")
-    return found
 
 
 def resume(config, run_dir: str, model, optimizer, pgm, data) -> tuple:
@@ -186,9 +80,9 @@ def load_checkpoint(directory: str, model, optimizer, pgm, config) -> dict:
     """Load weights, optimizer state and RNG states after checking the whole checkpoint;
     return its state (step, tokens seen, data position). Collective. A bad checkpoint is
     refused on every rank before anything is changed."""
-    state, saved, problems = _verified(directory, pgm)
+    state, saved, problems = verified(directory, pgm)
     if problems:
-        raise CheckpointError("; ".join(problems))
+        raise SharedCheckpointError("; ".join(problems))
     check_model_shape(saved, config, directory)
     _agree(lambda: _load(directory, state, model, optimizer, pgm))
     return state
@@ -208,7 +102,7 @@ def _agree(load) -> None:
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e]
     if failed:
-        raise CheckpointError(failed[0])
+        raise SharedCheckpointError(failed[0])
     apply()
 
 

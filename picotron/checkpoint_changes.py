@@ -14,7 +14,8 @@ another run under the old name, so it is refused, naming each setting and the fi
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.
 """
-from picotron.checkpoint_verify import FUNCTION_SETTINGS, SAVED_SETTINGS, CheckpointError
+from picotron.checkpoint_verify import FUNCTION_SETTINGS, SAVED_SETTINGS
+from picotron.shards import SharedCheckpointError
 
 # Model fields that fix the shapes of the weights; dataset fields that pick the windows.
 SHAPE_FIELDS = tuple(k[6:] for k in SAVED_SETTINGS if k.startswith("model."))
@@ -32,9 +33,9 @@ def check_model_shape(saved, config, directory: str) -> None:
              f"{getattr(config.model, k)!r}" for k in SHAPE_FIELDS
              if getattr(saved.model, k) != getattr(config.model, k)]
     if diffs:
-        raise CheckpointError(f"checkpoint {directory} was written by a model of another "
-                              f"shape ({'; '.join(diffs)}); resume with the same model "
-                              f"settings, or start a new run")
+        raise SharedCheckpointError(f"checkpoint {directory} was written by a model of "
+                                    f"another shape ({'; '.join(diffs)}); resume with the "
+                                    f"same model settings, or start a new run")
 
 
 def run_changes(saved, config, saved_windows, windows, saved_contents=None,
@@ -79,7 +80,7 @@ WHY = {"training.seed": "the data order follows the seed",
 def check_resume(state: dict, saved, config, directory: str, windows, contents=None) -> list:
     """The accepted changes to record in the next checkpoints: the checkpoint's history plus,
     if this resume changes the run by settings `checkpoint.allow_changes` lists, one record.
-    Anything else that would change the run is a CheckpointError."""
+    Anything else that would change the run is a (Shared)CheckpointError."""
     check_model_shape(saved, config, directory)
     diffs = run_changes(saved, config, state["data"]["num_windows"], windows,
                         state["data"].get("contents"), contents)
@@ -89,10 +90,11 @@ def check_resume(state: dict, saved, config, directory: str, windows, contents=N
         lines = "; ".join(f"{k}: checkpoint {a!r}, this config {b!r}"
                           + (f" ({WHY[k]})" if k in WHY else "") for k, (a, b) in
                           refused.items())
-        raise CheckpointError(f"resuming checkpoint {directory} would change the run: {lines}. "
-                              f"Restore these settings to continue the same run, or accept "
-                              f"the change (recorded in the next checkpoints) with "
-                              f"checkpoint.allow_changes: {sorted(refused)}")
+        raise SharedCheckpointError(f"resuming checkpoint {directory} would change the run: "
+                                    f"{lines}. Restore these settings to continue the same "
+                                    f"run, or accept the change (recorded in the next "
+                                    f"checkpoints) with checkpoint.allow_changes: "
+                                    f"{sorted(refused)}")
     history = list(state.get("accepted_changes") or [])
     if diffs:
         history.append({"from": directory, "step": state["step"],

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from picotron import hf_cohere
 from picotron.config_ranges import unwritable
-from picotron.shards import (CheckpointError, checkpoint_config, index_shards, load_full_weights,
-                             read_slice, slice_bounds)
+from picotron.shards import (CheckpointError, SharedCheckpointError, checkpoint_config,
+                             index_shards, load_full_weights, read_slice, slice_bounds)
 
 IGNORED = ("rotary_emb.inv_freq",)     # buffers some old checkpoints carry; recomputed here
 
@@ -32,6 +32,12 @@ def our_name(name: str) -> str:
 
 def _weight_files(directory: str) -> list:
     """The safetensors files of a Hugging Face model directory (single file or sharded)."""
+    if any(glob.glob(os.path.join(directory, *inner, "state.json")) for inner in
+           ((), ("step_*",), ("*", "step_*"))):    # a checkpoint, its folder, its run
+        raise SharedCheckpointError(
+            f"'{directory}' is a picotron checkpoint, not a Hugging Face model: continue "
+            f"that run with checkpoint.load_path, or export it (python export_hf.py "
+            f"--checkpoint {directory} --out DIR) and give DIR to checkpoint.init_from")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -78,7 +84,7 @@ def load_hf_weights(model, source: str) -> None:
     directory = hf_model_dir(source)
     cohere = _model_type(directory) == "cohere"
     if cohere and not hf_cohere.is_palm_style(model.cfg):
-        raise CheckpointError(
+        raise SharedCheckpointError(
             f"'{source}' is a CohereForCausalLM (the PaLM-style block), but this config has "
             f"parallel_residual={model.cfg.parallel_residual}, norm_type="
             f"{model.cfg.norm_type!r}; create the config with --model_name pointing at it")
@@ -98,7 +104,7 @@ def load_hf_weights(model, source: str) -> None:
         problems.append(f"tensors the model lacks: {', '.join(extra[:6])}"
                         f"{' ...' if len(extra) > 6 else ''}")
     if problems:
-        raise CheckpointError(
+        raise SharedCheckpointError(
             f"the Hugging Face weights in '{source}' do not fit model.* of this config: "
             f"{'; '.join(problems)}. The model section must match the checkpoint's config.json "
             f"(create the config with --model_name pointing at it, without changing layer or "

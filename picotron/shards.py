@@ -19,6 +19,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run; nothing has been modified."""
 
 
+class SharedCheckpointError(CheckpointError):
+    """A CheckpointError that every rank raises alike: decided from files all of them read
+    (state.json, a config) or agreed by a collective, so it is said once, not once per
+    rank."""
+
+
 def slice_bounds(param) -> list:
     """[[start, stop], ...] per dim of the full tensor that this rank's tensor covers."""
     full = list(getattr(param, "full_shape", param.shape))

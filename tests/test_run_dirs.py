@@ -13,7 +13,9 @@ import create_config
 from launch import read_metrics, write_config
 from test_train_cli import TINY, train
 from tiny import one_process_group
-from picotron.checkpoint import resolve_checkpoint, save_checkpoint
+from picotron.checkpoint import (SharedCheckpointError, find_checkpoint, resolve_checkpoint,
+                                 save_checkpoint)
+from picotron.hf_io import load_hf_weights
 from picotron.checkpoint_verify import latest_written, step_names
 from picotron.config import Config
 from picotron.model import Decoder, materialize
@@ -49,6 +51,15 @@ def test_a_new_run_or_config_over_an_earlier_run_is_refused(earlier_run, capsys)
     assert done.returncode == 2 and "a relative path starts at the run directory, which " \
         "holds ['checkpoints/step_000002', 'checkpoints/step_000004']" in done.stderr, \
         done.stderr[-2000:]
+    # the run directory itself, or a Hugging Face start from a picotron checkpoint
+    with pytest.raises(SharedCheckpointError, match=f"load_path='{run_dir}' is a run directory"
+                       f", not a checkpoint; name one of its checkpoints \\(e.g. {run_dir}/"
+                       f"checkpoints/step_000004\\)"):
+        find_checkpoint(run_dir, os.path.join(run_dir, "checkpoints"), run_dir)
+    for weights in (run_dir, os.path.join(run_dir, "checkpoints", "step_000002")):
+        with pytest.raises(SharedCheckpointError, match="is a picotron checkpoint, not a "
+                                                        "Hugging Face model: continue"):
+            load_hf_weights(None, weights)
 
 
 def test_a_resume_from_an_older_checkpoint_keeps_what_it_writes(earlier_run, tmp_path):

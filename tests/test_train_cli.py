@@ -92,17 +92,23 @@ def test_a_run_whose_steps_are_all_skipped_stops(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "diverge", "checkpoints"))
 
 
-@pytest.mark.parametrize("bad", ["config", "data"])
+@pytest.mark.parametrize("bad", ["config", "data", "checkpoint"])
 def test_an_error_is_said_once_and_named_at_the_end(tmp_path, bad):
-    """A config every rank reads, or data rank 0 prepares for all: one message, not one per
-    rank."""
+    """A config every rank reads, data rank 0 prepares for all, or a resume the ranks refuse
+    together: one message, not one per rank."""
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i}. " * 20}) + "\n"
                             for i in range(40)))
     path = write_config(tmp_path, "bad", TINY + ["--dp", "2", "--dataset_name", str(docs)])
     setting, said = {"config": ("training.learnin_rate=1", "unknown key 'training.learnin_rate'"),
-                     "data": ("dataset.text_column=body", "has no column 'body'")}[bad]
-    done = train(path, "--set", setting, nproc=2, check=False)
+                     "data": ("dataset.text_column=body", "has no column 'body'"),
+                     "checkpoint": ("training.seed=7", "would change the run: training.seed")
+                     }[bad]
+    extra = ()
+    if bad == "checkpoint":             # a checkpoint that the run with another seed resumes
+        train(path, "--set", "distributed.dp_size=1")
+        extra = ("--set", "checkpoint.load_path=latest")
+    done = train(path, "--set", setting, *extra, nproc=2, check=False)
     assert done.returncode != 0
     # once by rank 0, once in torchrun's closing report (its root cause), nowhere else
     assert done.stderr.count(said) == 2, done.stderr
