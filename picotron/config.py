@@ -86,6 +86,8 @@ def _type_ok(value, hint) -> bool:
 def _type_name(hint) -> str:
     if typing.get_origin(hint) is typing.Union:
         return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is bool:                # JSON's words, which `--set key=yes` may not know
+        return "true or false"
     return "null" if hint is type(None) else hint.__name__
 
 

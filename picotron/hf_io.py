@@ -17,7 +17,8 @@ import torch.distributed as dist
 from picotron import hf_cohere
 from picotron.config_ranges import unwritable
 from picotron.shards import (CheckpointError, SharedCheckpointError, checkpoint_config,
-                             index_shards, load_full_weights, read_slice, slice_bounds)
+                             index_shards, load_full_weights, read_slice, readable_as_usual,
+                             slice_bounds)
 
 IGNORED = ("rotary_emb.inv_freq",)     # buffers some old checkpoints carry; recomputed here
 
@@ -205,6 +206,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     dtype = str(next(iter(weights.values())).dtype).replace("torch.", "")
     save_file({hf_name(n): t.contiguous() for n, t in weights.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    readable_as_usual(os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         write_config = hf_cohere.cohere_config if hf_cohere.is_palm_style(m) else hf_config
         json.dump(write_config(config.to_dict()["model"], dtype, bos, eos), f, indent=2)

@@ -43,11 +43,25 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+# read once, at import: os.umask can only be read by setting it, which a background writer
+# (async_save.py) creating a file at that moment would see
+UMASK = os.umask(0o022)
+os.umask(UMASK)
+
+
 def write_shard(path: str, tensors: dict, layout: dict, extra: dict = None) -> str:
     """Write one safetensors file with its layout (and `extra` JSON metadata); its sha256."""
     meta = {"layout": json.dumps(layout), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path, meta)
+    readable_as_usual(path)
     return sha256(path)
+
+
+def readable_as_usual(path: str) -> None:
+    """safetensors creates its files 0600, readable by their owner only; give them the mode
+    any other file gets here (0666 less the umask), so that a team sharing a cluster's disk
+    reads checkpoints and exports as it reads the logs beside them."""
+    os.chmod(path, 0o666 & ~UMASK)
 
 
 def _open(path: str):

@@ -21,6 +21,7 @@ BAD_FLAGS = [  # (flags, words the message must contain)
     (["--set", "training.learnin_rate=0.1"], ["training.learnin_rate", "learning_rate"]),
     (["--set", "training.micro_batch_size=\"8\""], ["training.micro_batch_size", "int"]),
     (["--set", "trainin.seed=1"], ["unknown section 'trainin'"]),
+    (["--set", "model.tie_word_embeddings=yes"], ["must be true or false, got 'yes'"]),
     (["--set", "distributed.pp_engine=gpipe"], ["pp_engine='gpipe'", "1f1b"]),
     (["--set", "model.norm_type=batchnorm"], ["norm_type='batchnorm'"]),
     (["--set", "training.dtype=float64"], ["dtype='float64'"]),

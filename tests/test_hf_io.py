@@ -199,6 +199,10 @@ def test_byte_level_export_loads_with_its_tokenizer(tmp_path):
         assert (ours(prompt[None]) - back(prompt[None]).logits).abs().max() < 1e-5
     assert sample(ours, prompt, 16, temperature=0, eos_token_id=0).tolist() == \
         hf_greedy(back, prompt, 16, 0)
+    # safetensors files get the mode of every other file (safetensors alone makes them 0600)
+    modes = {f: os.stat(os.path.join(d, f)).st_mode & 0o777 for d in (out, ckpt)
+             for f in os.listdir(d)}
+    assert len(set(modes.values())) == 1, modes
 
 
 def test_a_checkpoint_reads_after_the_folder_it_started_from_moved(tmp_path):
