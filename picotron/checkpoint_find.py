@@ -78,6 +78,9 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
         if os.path.basename(candidate) == written:  # the steps above it are another history
             candidates.insert(0, candidates.pop(i))
             break
+    else:
+        if written is not None:     # damaged, or naming a checkpoint deleted by hand
+            skipped.append(f"the `latest` file's {written[:40]!r} (no such checkpoint here)")
     for candidate in candidates:
         state, saved, problems = verified(candidate, pgm)
         if not problems:

@@ -111,6 +111,18 @@ def test_latest_says_what_it_resumes_and_keeps_every_record(earlier_run, tmp_pat
     assert [r["step"] for r in read_metrics(str(copy / "config.json"))] == [1, 2, 3, 4]
 
 
+def test_a_latest_file_naming_no_checkpoint_is_named(earlier_run, tmp_path, capsys):
+    """`latest` damaged, or naming a checkpoint deleted by hand: the newest valid one is
+    resumed, and the warning says why it was not the one `latest` names."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(os.path.join(os.path.dirname(earlier_run), "checkpoints"), root)
+    for text in ("step_000009", "\x00garbage"):
+        (root / "latest").write_text(text)
+        assert find_checkpoint("latest", str(root), "/")[0] == str(root / "step_000004")
+        assert f"skipped the `latest` file's {text!r} (no such checkpoint here); resuming " \
+               f"from {root / 'step_000004'}" in capsys.readouterr().err
+
+
 def test_steps_past_a_million_order_by_number(tmp_path):
     config = Config()
     config.model.hidden_size, config.model.intermediate_size = 32, 64
