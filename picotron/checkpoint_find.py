@@ -45,8 +45,9 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
     """(directory, state, saved config) to resume from; (None, None, None) for "latest" when
     nothing was saved yet. "latest" is the last checkpoint written (the `latest` file's) if it
     is complete and valid, else the newest one by step that is; each one skipped is named with
-    the reason (a warning on stderr). A checkpoint named
-    explicitly is refused if anything is wrong with it. Collective when `pgm` is given."""
+    the reason (a warning on stderr). A checkpoint named explicitly is refused if anything is
+    wrong with it, and so is a folder of them or a run directory, naming one to give instead.
+    Collective when `pgm` is given."""
     if load_path != "latest":
         path = load_path if os.path.isabs(load_path) else os.path.join(run_dir, load_path)
         if not os.path.isdir(path):
