@@ -2,17 +2,19 @@
 the tokenizer the run will read can be found. A typo in a path then fails in a second, here,
 instead of a minute into train.py, after the model is built and the tokenizer loaded.
 
-Only cheap checks: nothing is tokenized or downloaded, and at most a file's first line or
-schema is read.
+Only cheap checks: nothing is tokenized or downloaded, and at most a file's first 100 rows
+or its schema are read.
 - `dataset.name` that looks like a local path (it starts with `.`, `/` or `~`, has a data
   file's extension or glob characters, has more than one `/`, or exists) must exist, and its
-  files (a folder's too) must be of one format the loader reads; a file or glob holds one
-  split, "train", and no validation split (that would be the training data); a key of its
-  first file's first 100 rows must be `dataset.text_column` (a .txt file's one column is
-  "text"). A folder of data files holds the splits its file names make (train.jsonl,
-  validation.jsonl, ...); a folder written by `save_to_disk` holds the splits and columns
-  it lists. With `dataset.byte_range`, the file must hold the ranges' bytes. A name of the
-  form "name" or "owner/name" that is no local path is a Hugging Face hub id.
+  files (a folder's too) must be of one format the loader reads, and their first 100 rows
+  must make a dataset (local_data.py: some data file, not all empty, UTF-8, JSON lines that
+  parse, the same columns in every file); a file or glob holds one split, "train", and no
+  validation split (that would be the training data); a key of its first file's first 100
+  rows must be `dataset.text_column` (a .txt file's one column is "text"). A folder of data
+  files holds the splits its file names make (train.jsonl, validation.jsonl, ...); a folder
+  written by `save_to_disk` holds the splits and columns it lists. With `dataset.byte_range`,
+  the file must hold the ranges' bytes. A name of the form "name" or "owner/name" that is no
+  local path is a Hugging Face hub id.
 - The tokenizer, when the dataset needs one (not `embedded`, `synthetic` or a byte range):
   `dataset.tokenizer`, else the model's. It must fit `model.vocab_size` (bytes: 256), and a
   local folder must load (offline).
@@ -24,15 +26,15 @@ schema is read.
 `create_config.py --skip_local_checks` skips all of this, for a config written here to run
 on another machine.
 """
-import csv
 import glob
-import itertools
 import json
 import os
 import socket
 import threading
 
 from picotron.config_ranges import HUB_ID
+from picotron.local_data import (FILE_BUILDERS, SAVED_METADATA, contents_problem, data_files,
+                                 file_columns, files_problem, saved_dataset)
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
 GLOB_CHARS = "*?["
@@ -63,7 +65,6 @@ def local_problems(config, probe_network=None) -> list:
 
 def looks_local(name: str) -> bool:
     """Whether `name` is meant as a path here rather than a hub id ('name' or 'owner/name')."""
-    from picotron.tokenized_data import FILE_BUILDERS
     path = os.path.expanduser(name)
     return (name.startswith((".", "/", "~")) or os.path.lexists(path)
             or any(c in name for c in GLOB_CHARS) or name.count("/") > 1
@@ -72,27 +73,28 @@ def looks_local(name: str) -> bool:
 
 
 def dataset_problems(d, probe_network) -> list:
-    from picotron.tokenized_data import data_files, files_problem
     key = f"dataset.name={d.name!r} (--dataset_name)"
     if not looks_local(d.name):
         return hub_problems(d.name, "dataset", key, probe_network)
     path = os.path.expanduser(d.name)
     files = sorted(glob.glob(path)) if any(c in d.name for c in GLOB_CHARS) else []
     if os.path.isdir(path):
-        problem = files_problem(data_files(path), whole_folder=True)
+        if saved_dataset(path):
+            return saved_dataset_problems(d, path)
+        found = data_files(path)
+        problem = files_problem(found, whole_folder=True) or contents_problem(found)
         if problem:
             return [f"{key}: {problem}"]
-        return saved_dataset_problems(d, path) or folder_split_problems(d, path)
+        return folder_split_problems(d, path)
     if not (os.path.isfile(path) or files):
         what = "matches no file" if any(c in d.name for c in GLOB_CHARS) else "does not exist"
         return [f"{key} {what} (a relative path is read from the folder train.py starts in, "
                 f"here {os.getcwd()}); give an existing file, glob or folder, or a Hugging "
                 f"Face dataset id ('owner/name')"]
     files = files or [path]
-    problem = files_problem(files)
+    problem = files_problem(files) or contents_problem(files)
     if problem:
         return [f"{key}: {problem}"]
-    ext = os.path.splitext(files[0])[1].lower()
     problems = []
     if d.split != "train":
         problems.append(f"dataset.split={d.split!r}: a file or glob holds one split, 'train'; "
@@ -102,44 +104,12 @@ def dataset_problems(d, probe_network) -> list:
                         f"the training data; set dataset.val_split to null (dataset.val_samples "
                         f"windows are then held out of training), or give a folder with a "
                         f"file per split")
-    columns = file_columns(files[0], ext)
+    columns = file_columns(files[0])
     if columns is not None and d.text_column not in columns:
         problems.append(f"dataset.text_column={d.text_column!r}: {files[0]} has no such "
                         f"column, its columns are {columns}; set dataset.text_column to one "
                         f"of them (--set dataset.text_column=NAME)")
     return problems
-
-
-def file_columns(path: str, ext: str):
-    """The column names of a data file from its first line or schema; None when that is not
-    cheap to tell (a pretty-printed .json, an unreadable file: the loader will say)."""
-    try:
-        if ext in (".txt", ".text"):
-            return ["text"]
-        if ext == ".parquet":
-            import pyarrow.parquet as pq
-            return pq.read_schema(path).names
-        if ext == ".arrow":
-            import pyarrow as pa
-            try:
-                return pa.ipc.open_stream(path).schema.names
-            except pa.ArrowInvalid:
-                return pa.ipc.open_file(path).schema.names
-        if ext == ".csv":
-            with open(path, encoding="utf-8") as f:
-                return next(csv.reader([next((x for x in f if x.strip()), "")]), [])
-        # .json / .jsonl: one object per line; the keys of the first 100 rows (a key that
-        # only some rows hold is still a column)
-        keys = {}
-        with open(path, encoding="utf-8") as f:
-            for line in itertools.islice((x for x in f if x.strip()), 100):
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    return None
-                keys.update(dict.fromkeys(row))
-        return list(keys)
-    except (OSError, ValueError, ImportError):
-        return None
 
 
 def saved_dataset_problems(d, folder: str) -> list:
@@ -172,7 +142,6 @@ def folder_split_problems(d, folder: str) -> list:
     (datasets' own rule: train.jsonl, validation-00.parquet, dev.txt, ...; all 'train' when
     no name says a split). A README.md may map files to splits itself: left to the loader."""
     from datasets.data_files import get_data_patterns
-    from picotron.tokenized_data import SAVED_METADATA
     if any(os.path.exists(os.path.join(folder, f)) for f in SAVED_METADATA + ("README.md",)):
         return []
     try:

@@ -11,7 +11,9 @@ memory-maps that file, so the corpus is tokenized once, not once per rank nor on
 A failure on rank 0 (missing file, wrong column) is sent to every rank, so all of them stop
 with the same message instead of hanging.
 """
+import contextlib
 import glob
+import logging
 import os
 import sys
 
@@ -21,11 +23,9 @@ import torch.distributed as dist
 
 from picotron import token_cache
 from picotron.errors import DataError, SharedDataError
+from picotron.local_data import (FILE_BUILDERS, contents_problem, data_files, files_problem,
+                                 saved_dataset)
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
-
-SAVED_METADATA = ("dataset_info.json", "dataset_dict.json", "state.json", "dataset_infos.json")
-FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
-                 ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
 def _first_line(e: Exception) -> str:
@@ -33,86 +33,72 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def files_problem(files: list, whole_folder: bool = False):
-    """Why these data files cannot be read as one dataset, else None: a file of a type the
-    loader does not read (a folder's other files are its own business: README, scripts), or
-    files of more than one format read together (one reader would take them all: a .jsonl
-    read as text, or a .txt dropped). Said by create_config's checks and by the loader."""
-    odd = sorted({os.path.splitext(f)[1].lower() or "extension-less" for f in files}
-                 - set(FILE_BUILDERS))
-    if odd and not whole_folder:
-        return (f"cannot read {', '.join(repr(e) for e in odd)} files; use "
-                f"{', '.join(FILE_BUILDERS)} files or a folder of them (or dataset.byte_range "
-                f"to read a file's raw bytes)")
-    kinds = {}
-    for f in files:
-        ext = os.path.splitext(f)[1].lower()
-        if ext in FILE_BUILDERS:
-            kinds.setdefault(FILE_BUILDERS[ext], []).append(os.path.basename(f))
-    if len(kinds) < 2:
-        return None
-    listed = "; ".join(f"{k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
-                       for k, v in sorted(kinds.items()))
-    return (f"holds data files of {len(kinds)} formats ({listed}), which are not read "
-            f"together; keep one format, or a glob that matches one (e.g. '*.jsonl')")
-
-
-def data_files(folder: str) -> list:
-    """The data files under `folder`: hidden ones (.cache) and the metadata that
-    `save_to_disk` writes beside its .arrow files left out."""
-    found = []
-    for d, dirs, names in os.walk(folder):
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
-        found += [os.path.join(d, f) for f in names
-                  if not f.startswith(".") and f not in SAVED_METADATA]
-    return found
-
-
-def _local_reason(e: Exception) -> str:
-    """Why `datasets` could not read local files: the error under its generic
-    DatasetGenerationError (a UnicodeDecodeError, a JSON parse error), or no rows at all."""
+def _local_reason(e: Exception, files) -> str:
+    """Why `datasets` could not read local files, in words that name the file and the fix:
+    every row of `files` looked at now (the first rows passed before the load), else the
+    error under its generic DatasetGenerationError put plainly."""
     cause = e.__cause__ or e
-    if isinstance(cause, StopIteration) or not str(cause).strip():
-        return "no rows could be read (is a file empty?)"
+    problem = contents_problem(files, rows=None) if files else None
+    if problem:
+        return problem
+    if (isinstance(cause, StopIteration) or not str(cause).strip()
+            or type(cause).__name__ == "SchemaInferenceError"):
+        return "no rows could be read (is a file empty?); give files that hold text"
     if isinstance(cause, UnicodeDecodeError):
-        return f"{_first_line(cause)} (files must be UTF-8 text)"
-    return _first_line(cause)
+        return f"{_first_line(cause)} (files must be UTF-8 text); save them as UTF-8"
+    if type(cause).__name__ == "CastError":   # a column that rows of the first file lack
+        return ("some rows have columns that the first rows read do not have; give files "
+                "whose rows have the same columns")
+    return f"{_first_line(cause)}; fix or remove the file, or point dataset.name at others"
+
+
+@contextlib.contextmanager
+def _builders_quiet():
+    """`datasets`' file readers log an error (the JSON reader: the file and pyarrow's parse
+    error) just before they raise it; the raise becomes one message here, so silence the
+    log, which would say it a second time in the library's words."""
+    logger = logging.getLogger("datasets.packaged_modules")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_documents(d, split: str):
     """The rows of `split` as a datasets.Dataset, with the text column checked."""
     import datasets
     name = os.path.expanduser(d.name)
+    saved = saved_dataset(name)
     files = sorted(glob.glob(name)) if any(c in name for c in "*?[") else []
+    files = data_files(name) if os.path.isdir(name) else [name] if os.path.isfile(name) else files
+    if not saved and (files or os.path.isdir(name)):      # the files' first rows, first
+        problem = (files_problem(files, whole_folder=os.path.isdir(name))
+                   or contents_problem(files))
+        if problem:
+            raise DataError(f"dataset.name='{d.name}': {problem}")
     try:
-        if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in
-                                       SAVED_METADATA[:3]):
-            splits = datasets.load_from_disk(name)          # written by save_to_disk
-        elif os.path.isdir(name):
-            problem = files_problem(data_files(name), whole_folder=True)
-            if problem:
-                raise DataError(f"dataset.name='{d.name}': {problem}")
-            splits = datasets.load_dataset(name, d.subset_name)   # builder inferred from files
-        elif os.path.isfile(name) or files:
-            files = files or [name]
-            problem = files_problem(files)
-            if problem:
-                raise DataError(f"dataset.name='{d.name}': {problem}")
-            ext = os.path.splitext(files[0])[1].lower()
-            splits = datasets.load_dataset(FILE_BUILDERS[ext], data_files={"train": files})
-        elif name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in FILE_BUILDERS:
-            raise DataError(f"dataset.name='{d.name}' looks like a local path but nothing "
-                            f"exists there; check the path (relative paths are resolved from "
-                            f"{os.getcwd()})")
-        else:
-            splits = datasets.load_dataset(name, d.subset_name, split=split)
+        with _builders_quiet():
+            if saved:
+                splits = datasets.load_from_disk(name)
+            elif os.path.isdir(name):                       # builder inferred from files
+                splits = datasets.load_dataset(name, d.subset_name)
+            elif files:
+                ext = os.path.splitext(files[0])[1].lower()
+                splits = datasets.load_dataset(FILE_BUILDERS[ext], data_files={"train": files})
+            elif name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in FILE_BUILDERS:
+                raise DataError(f"dataset.name='{d.name}' looks like a local path but nothing "
+                                f"exists there; check the path (relative paths are resolved "
+                                f"from {os.getcwd()})")
+            else:
+                splits = datasets.load_dataset(name, d.subset_name, split=split)
     except DataError:
         raise
     except Exception as e:
         if os.path.exists(name) or files:    # the files are there: say what is wrong in them
             raise DataError(f"could not read the local dataset dataset.name='{d.name}': "
-                            f"{_local_reason(e)}; fix or remove the file, or point "
-                            f"dataset.name at other files") from None
+                            f"{_local_reason(e, None if saved else files)}") from None
         raise DataError(f"could not load dataset.name='{d.name}' (subset {d.subset_name!r}, "
                         f"split {split!r}): {_first_line(e)}; give an existing local path or "
                         f"a Hugging Face dataset id (offline machines need local files)"

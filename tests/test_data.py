@@ -98,21 +98,51 @@ def test_bad_dataset_settings_name_the_problem(files, tmp_path):
 
 
 BAD_FILES = {   # file name, its bytes, what the error says
-    "empty": ("empty.jsonl", b"", "no rows could be read"),
-    "not utf-8": ("latin.txt", "caf\u00e9\n".encode("latin-1"), "files must be UTF-8"),
-    "broken json": ("broken.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
+    "empty": ("empty.jsonl", b"", "empty.jsonl is empty: no rows could be read"),
+    "empty text": ("empty.txt", b"", "empty.txt is empty: no rows could be read"),
+    "not utf-8": ("latin.txt", "caf\u00e9\n".encode("latin-1"), "latin.txt is not UTF-8"),
+    "broken json": ("broken.jsonl", b'{"text": "a"}\n{"text": \n',
+                    "broken.jsonl line 2 is not JSON"),
+    # past the first rows that a first look reads: found after the loader failed
+    "broken late": ("late.jsonl", b'{"text": "a"}\n' * 150 + b"not json\n",
+                    "late.jsonl line 151 is not JSON"),
     "numbers": ("numbers.jsonl", b'{"text": 5}\n{"text": 7}\n', "holds int64, not text"),
     "nulls": ("nulls.jsonl", b'{"text": null}\n{"text": null}\n', "null in every row"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
-def test_a_bad_local_file_is_named_with_what_is_wrong_in_it(tmp_path, case):
+def test_a_bad_local_file_is_named_with_what_is_wrong_in_it(tmp_path, case, capfd):
     name, body, reason = BAD_FILES[case]
     (tmp_path / name).write_bytes(body)
-    with pytest.raises(DataError, match=reason) as e:
+    with pytest.raises(DataError) as e:
         build_data(config_for(str(tmp_path / name)))
+    assert reason in str(e.value), str(e.value)
     assert "give an existing local path" not in str(e.value)    # the file does exist
+    assert "Error" not in str(e.value)           # no library's class name: plain words
+    assert "Failed to load JSON" not in capfd.readouterr().err   # one message, not two
+
+
+def test_a_folder_that_is_no_dataset_says_why_in_plain_words(tmp_path):
+    folder = tmp_path / "schema"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "a document"}\n')
+    (folder / "b.jsonl").write_text('{"text": "another", "id": 1}\n')
+    for name in (str(folder), str(folder / "*.jsonl")):
+        with pytest.raises(DataError, match=r"different columns \(a.jsonl: text; b.jsonl: id, "
+                                            r"text\); give files with the same columns"):
+            build_data(config_for(name))
+    # the other column past the rows a first look reads: found after the loader failed
+    (folder / "b.jsonl").write_text('{"text": "x"}\n' * 150 + '{"text": "y", "id": 1}\n')
+    with pytest.raises(DataError, match=r"\(a.jsonl: text; b.jsonl: id, text\)"):
+        build_data(config_for(str(folder)))
+    (folder / "a.jsonl").unlink()
+    (folder / "b.jsonl").unlink()
+    with pytest.raises(DataError, match="holds no data files \\(it is empty\\)"):
+        build_data(config_for(str(folder)))
+    (folder / "README.md").write_text("# a corpus\n")
+    with pytest.raises(DataError, match="holds no data files \\(it holds only README.md\\)"):
+        build_data(config_for(str(folder)))
 
 
 def test_a_folder_and_a_glob_over_it_are_not_the_same_data(tmp_path):

@@ -219,3 +219,37 @@ def test_offline_is_an_environment_switch_or_a_silent_host(monkeypatch):
             pass
     monkeypatch.setattr(socket, "create_connection", lambda address, timeout: Connection())
     assert preflight.hub_offline() is None
+
+
+def test_files_with_different_columns_are_refused(tmp_path, capsys):
+    """`datasets` casts every file to the first one's columns: a later file with another
+    column fails a minute into train.py with a CastError that names neither file."""
+    schema = tmp_path / "schema"
+    schema.mkdir()
+    (schema / "a.jsonl").write_text('{"text": "a document"}\n')
+    (schema / "b.jsonl").write_text('{"text": "another", "id": 1}\n')
+    for name in (str(schema), str(schema / "*.jsonl")):
+        err = refused(tmp_path, capsys, "--dataset_name", name)
+        assert ("has files with different columns (a.jsonl: text; b.jsonl: id, text); give "
+                "files with the same columns") in err, err
+    # a tokenizer's folder given as the data: its .json files are no rows of one table
+    tok = tiny_tokenizer(str(tmp_path / "tok"), documents(20))
+    err = refused(tmp_path, capsys, "--dataset_name", tok)
+    assert "has files with different columns (tokenizer.json: added_tokens" in err, err
+    (schema / "b.jsonl").write_text('{"text": "another"}\n')
+    assert create(tmp_path, "--dataset_name", str(schema))
+
+
+def test_data_with_no_rows_or_a_broken_first_line_is_refused(tmp_path, capsys):
+    empty, readme = tmp_path / "empty", tmp_path / "readme"
+    empty.mkdir()
+    readme.mkdir()
+    (readme / "README.md").write_text("# a corpus\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\nnot json\n')
+    for name, says in ((empty, "holds no data files (it is empty)"),
+                       (readme, "holds no data files (it holds only README.md)"),
+                       (tmp_path / "empty.txt", "empty.txt is empty: no rows could be read"),
+                       (tmp_path / "broken.jsonl", "broken.jsonl line 2 is not JSON")):
+        err = refused(tmp_path, capsys, "--dataset_name", str(name))
+        assert f"dataset.name={str(name)!r} (--dataset_name): {says}" in err, err

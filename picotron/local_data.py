@@ -1,0 +1,189 @@
+"""A local dataset's files, and what a look at their first rows can tell is wrong with them.
+
+create_config.py's checks (preflight.py) and the loader (tokenized_data.py) ask the same
+questions here, so a config is refused for the same reason, in the same words, as train.py
+would refuse it; and train.py asks them before `datasets` reads anything, since the library's
+own errors (CastError, SchemaInferenceError, EmptyDatasetError) name neither the file nor the
+fix. A look is cheap: the first LOOK_ROWS rows of each file, a parquet or arrow schema, a CSV
+header, or a whole JSON document of at most WHOLE_JSON_BYTES. With `rows=None` every row is
+read: the loader does that only after `datasets` failed, to name the file and line.
+"""
+import csv
+import itertools
+import json
+import os
+
+SAVED_METADATA = ("dataset_info.json", "dataset_dict.json", "state.json", "dataset_infos.json")
+FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
+                 ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+LOOK_ROWS = 100
+WHOLE_JSON_BYTES = 16 << 20
+
+
+def files_problem(files: list, whole_folder: bool = False):
+    """Why these data files cannot be read as one dataset, else None: a file of a type the
+    loader does not read (a folder's other files are its own business: README, scripts), or
+    files of more than one format read together (one reader would take them all: a .jsonl
+    read as text, or a .txt dropped). Said by create_config's checks and by the loader."""
+    odd = sorted({os.path.splitext(f)[1].lower() or "extension-less" for f in files}
+                 - set(FILE_BUILDERS))
+    if odd and not whole_folder:
+        return (f"cannot read {', '.join(repr(e) for e in odd)} files; use "
+                f"{', '.join(FILE_BUILDERS)} files or a folder of them (or dataset.byte_range "
+                f"to read a file's raw bytes)")
+    kinds = {}
+    for f in files:
+        ext = os.path.splitext(f)[1].lower()
+        if ext in FILE_BUILDERS:
+            kinds.setdefault(FILE_BUILDERS[ext], []).append(os.path.basename(f))
+    if len(kinds) < 2:
+        return None
+    listed = "; ".join(f"{k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+                       for k, v in sorted(kinds.items()))
+    return (f"holds data files of {len(kinds)} formats ({listed}), which are not read "
+            f"together; keep one format, or a glob that matches one (e.g. '*.jsonl')")
+
+
+def saved_dataset(path: str) -> bool:
+    """Whether `path` is a folder written by `save_to_disk` (read by `load_from_disk`)."""
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+                                       for f in SAVED_METADATA[:3])
+
+
+def data_files(folder: str) -> list:
+    """The files under `folder`, sorted: hidden ones (.cache) and the metadata that
+    `save_to_disk` writes beside its .arrow files left out."""
+    found = []
+    for d, dirs, names in os.walk(folder):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        found += [os.path.join(d, f) for f in names
+                  if not f.startswith(".") and f not in SAVED_METADATA]
+    return sorted(found)
+
+
+def contents_problem(files: list, rows=LOOK_ROWS):
+    """Why `files` (a folder's files, or those of a file or glob; of one format) hold no
+    dataset, from their first `rows` rows, else None: no data file at all, only empty files,
+    a file that is not UTF-8, a JSON-lines row that is not JSON, or files whose columns
+    differ. Each reason names the file and the fix."""
+    data = [f for f in files if os.path.splitext(f)[1].lower() in FILE_BUILDERS]
+    if not data:
+        held = (f"it holds only {_listed([os.path.basename(f) for f in files])}" if files
+                else "it is empty")
+        return (f"holds no data files ({held}); put {', '.join(FILE_BUILDERS)} "
+                f"files there, or point dataset.name at the data files")
+    base = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in data])
+    short = {f: os.path.relpath(os.path.abspath(f), base) for f in data}
+    if all(_empty(f) for f in data):   # one empty file among others is read as no rows
+        return (f"{_listed(list(short.values()))} {'is' if len(data) == 1 else 'are'} empty: "
+                f"no rows could be read; give files that hold text")
+    columns = {}
+    for f in data:
+        try:
+            columns[f] = file_columns(f, rows)
+        except UnicodeDecodeError as e:
+            return (f"{short[f]} is not UTF-8 text ({e.reason} at byte {e.start} of a line); "
+                    f"files must be UTF-8 text: save it as UTF-8")
+        except NotJson as e:
+            return (f"{short[f]} line {e.line} is not JSON ({e.reason}); fix or remove that "
+                    f"line (a .jsonl file holds one JSON object per line)")
+    # A column only some files hold is read as nulls in the others, or refused with a
+    # CastError, depending on which file `datasets` reads first: ask for the same columns.
+    known = {f: c for f, c in columns.items() if c is not None}
+    if len({frozenset(c) for c in known.values()}) > 1:
+        listed = "; ".join(f"{short[f]}: {', '.join(sorted(c)[:6])}{' ...' if len(c) > 6 else ''}"
+                           for f, c in list(known.items())[:4])
+        return (f"has files with different columns ({listed}{'; ...' if len(known) > 4 else ''}"
+                f"); give files with the same columns")
+    return None
+
+
+class NotJson(ValueError):
+    def __init__(self, line: int, reason: str):
+        super().__init__(f"line {line}: {reason}")
+        self.line, self.reason = line, reason
+
+
+def file_columns(path: str, rows=LOOK_ROWS):
+    """The column names of a data file from its first `rows` rows or its schema (a key that
+    only some rows hold is still a column); None when that is not cheap to tell (a large
+    JSON document, a damaged parquet file: the loader will say). Raises UnicodeDecodeError,
+    or NotJson for a row of a JSON file that does not parse."""
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext in (".txt", ".text"):
+            with open(path, encoding="utf-8") as f:
+                for _ in itertools.islice(f, rows):      # only to meet a non-UTF-8 line
+                    pass
+            return ["text"]
+        if ext == ".parquet":
+            import pyarrow.parquet as pq
+            return pq.read_schema(path).names
+        if ext == ".arrow":
+            import pyarrow as pa
+            try:
+                return pa.ipc.open_stream(path).schema.names
+            except pa.ArrowInvalid:
+                return pa.ipc.open_file(path).schema.names
+        if ext == ".csv":
+            with open(path, encoding="utf-8") as f:
+                return next(csv.reader([next((x for x in f if x.strip()), "")]), [])
+        return _json_columns(path, rows)
+    except NotJson:
+        raise
+    except (OSError, ValueError, ImportError) as e:
+        if isinstance(e, UnicodeDecodeError):
+            raise
+        return None
+
+
+def _json_columns(path: str, rows):
+    """A .json / .jsonl file is read the way `datasets` reads it: one object per line, or,
+    when its first line is not a whole JSON value, one document (a list of rows, or an
+    object whose keys are the columns) spread over many lines."""
+    keys = {}
+    with open(path, encoding="utf-8") as f:
+        lines = ((i, x) for i, x in enumerate(f, 1) if x.strip())
+        for n, (i, line) in enumerate(itertools.islice(lines, rows)):
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                if n == 0 and line.lstrip()[:1] in "[{":
+                    return _document_columns(path, rows)
+                raise NotJson(i, getattr(e, "msg", str(e))) from None
+            if n == 0 and not isinstance(row, dict):       # a document on one line
+                return _document_columns(path, rows)
+            if not isinstance(row, dict):
+                raise NotJson(i, f"a {type(row).__name__}, not an object of columns")
+            keys.update(dict.fromkeys(row))
+    return list(keys)
+
+
+def _document_columns(path: str, rows):
+    if rows is not None and os.path.getsize(path) > WHOLE_JSON_BYTES:
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except ValueError as e:
+            raise NotJson(getattr(e, "lineno", 1), getattr(e, "msg", str(e))) from None
+    if isinstance(doc, dict):
+        return list(doc)
+    if isinstance(doc, list) and all(isinstance(x, str) for x in doc[:rows]):
+        return ["text"]                      # a list of strings: `datasets` names it 'text'
+    if isinstance(doc, list) and all(isinstance(x, dict) for x in doc[:rows]):
+        return list({k: None for x in doc[:rows] for k in x})
+    return None
+
+
+def _empty(path: str) -> bool:
+    """Whether a file holds nothing but white space (read only when it is small)."""
+    size = os.path.getsize(path)
+    if size > 4096:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
+def _listed(names: list) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
