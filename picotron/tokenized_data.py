@@ -116,6 +116,13 @@ def load_documents(d, split: str):
         raise DataError(f"dataset '{d.name}' column '{d.text_column}' is null in every row: "
                         f"it holds no text; fill it, or set dataset.text_column to a column "
                         f"of strings (its columns are {splits.column_names})")
+    if type(splits.features[d.text_column]).__name__ == "Json":  # mixed: text and others
+        row, value = next(((i, v) for i, v in enumerate(splits[d.text_column], 1)
+                           if v is not None and not isinstance(v, str)), (None, None))
+        raise DataError(f"dataset '{d.name}' column '{d.text_column}' holds text in some rows "
+                        f"but {type(value).__name__} {repr(value)[:40]} in row {row}; make "
+                        f"every row's '{d.text_column}' a string (quote numbers), or remove "
+                        f"those rows")
     if kind not in ("string", "large_string"):
         raise DataError(f"dataset '{d.name}' column '{d.text_column}' holds "
                         f"{kind or type(splits.features[d.text_column]).__name__}, not text; "

@@ -107,6 +107,9 @@ BAD_FILES = {   # file name, its bytes, what the error says
     "broken late": ("late.jsonl", b'{"text": "a"}\n' * 150 + b"not json\n",
                     "late.jsonl line 151 is not JSON"),
     "numbers": ("numbers.jsonl", b'{"text": 5}\n{"text": 7}\n', "holds int64, not text"),
+    "some numbers": ("mixed.jsonl", b'{"text": "a"}\n{"text": 5}\n',
+                     "holds text in some rows but int 5 in row 2; make every row's 'text' a "
+                     "string"),
     "nulls": ("nulls.jsonl", b'{"text": null}\n{"text": null}\n', "null in every row"),
 }
 
