@@ -196,15 +196,21 @@ def _tokenize_to_file(config, split: str, root: str) -> str:
     tokenized = docs.map(encode, batched=True, num_proc=d.num_proc if d.num_proc > 1 else None,
                          remove_columns=docs.column_names, new_fingerprint=f"picotron-{key}",
                          desc=f"tokenizing {d.name}:{split}")
-    total = int(np.sum(tokenized["n"])) if len(tokenized) else 0
+    lengths = np.asarray(tokenized["n"], dtype=np.int64)
+    total, textless = int(lengths.sum()), int((lengths == 0).sum())
     chunks = (np.fromiter((t for x in batch["ids"] for t in x), dtype=np.int64)
               for batch in tokenized.iter(batch_size=1024))   # bounded memory, in row order
     dtype = np.uint16 if tokenizer.vocab_size <= 2 ** 16 else np.int32
     path = token_cache.write(root, key, chunks, total, dtype, {
         "source": d.name, "split": split, "documents": len(docs), "tokenizer": tokenizer.name,
-        "vocab_size": tokenizer.vocab_size, "eos_token_id": eos})
-    print(f"tokenized {len(docs)} documents of {d.name}:{split} with {tokenizer.name} into "
-          f"{total} tokens -> {path}", flush=True)
+        "vocab_size": tokenizer.vocab_size, "eos_token_id": eos,
+        "documents_without_text": textless})
+    # Rows whose text is missing, null or empty add no tokens and no EOS: say how many, once,
+    # since a column misspelt in some files or a broken export shows up only here.
+    left_out = (f" ({textless} of them without text: missing, null or empty, left out)"
+                if textless else "")
+    print(f"tokenized {len(docs)} documents of {d.name}:{split}{left_out} with "
+          f"{tokenizer.name} into {total} tokens -> {path}", flush=True)
     token_cache.trim(root, d.cache_max_gb, keep=key)
     return path
 

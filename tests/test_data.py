@@ -126,6 +126,17 @@ def test_a_bad_local_file_is_named_with_what_is_wrong_in_it(tmp_path, case, capf
     assert "Failed to load JSON" not in capfd.readouterr().err   # one message, not two
 
 
+def test_rows_without_text_are_counted_once(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    text = "one document, long enough for a window of tokens"
+    rows.write_text(json.dumps({"text": text}) + '\n{"body": "x"}\n{"text": null}\n'
+                    '{"text": ""}\n')
+    assert len(build_data(config_for(str(rows))).tokens) == len(text) + 1
+    out = capsys.readouterr().out
+    assert ("tokenized 4 documents of " in out and "(3 of them without text: missing, null or "
+            "empty, left out)" in out), out
+
+
 def test_a_folder_that_is_no_dataset_says_why_in_plain_words(tmp_path):
     folder = tmp_path / "schema"
     folder.mkdir()
