@@ -176,6 +176,25 @@ def _document_columns(path: str, rows):
     return None
 
 
+def text_problem(path: str, column: str, rows=LOOK_ROWS):
+    """Why `column` of a JSON-lines file is no text column, from its first `rows` rows: a
+    value that is neither a string nor null (the loader refuses such a column), else None."""
+    if os.path.splitext(path)[1].lower() not in (".json", ".jsonl"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = itertools.islice((x for x in f if x.strip()), rows)
+            for n, line in enumerate(lines, 1):
+                value = json.loads(line).get(column)
+                if value is not None and not isinstance(value, str):
+                    return (f"row {n} of {os.path.basename(path)} holds {type(value).__name__} "
+                            f"{repr(value)[:40]} in column '{column}', not text; make every "
+                            f"row's '{column}' a string (quote numbers), or remove those rows")
+    except (OSError, ValueError, AttributeError):   # not JSON lines: the loader will say
+        return None
+    return None
+
+
 def _empty(path: str) -> bool:
     """Whether a file holds nothing but white space (read only when it is small)."""
     size = os.path.getsize(path)

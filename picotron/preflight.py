@@ -34,7 +34,8 @@ import threading
 
 from picotron.config_ranges import HUB_ID
 from picotron.local_data import (FILE_BUILDERS, SAVED_METADATA, contents_problem, data_files,
-                                 file_columns, files_problem, saved_dataset)
+                                 file_columns, files_problem, saved_dataset,
+                                 text_problem)
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
 GLOB_CHARS = "*?["
@@ -104,11 +105,13 @@ def dataset_problems(d, probe_network) -> list:
                         f"the training data; set dataset.val_split to null (dataset.val_samples "
                         f"windows are then held out of training), or give a folder with a "
                         f"file per split")
-    columns = file_columns(files[0])
+    columns, not_text = file_columns(files[0]), text_problem(files[0], d.text_column)
     if columns is not None and d.text_column not in columns:
         problems.append(f"dataset.text_column={d.text_column!r}: {files[0]} has no such "
                         f"column, its columns are {columns}; set dataset.text_column to one "
                         f"of them (--set dataset.text_column=NAME)")
+    elif not_text:
+        problems.append(f"dataset.text_column={d.text_column!r}: {not_text}")
     return problems
 
 

@@ -253,3 +253,11 @@ def test_data_with_no_rows_or_a_broken_first_line_is_refused(tmp_path, capsys):
                        (tmp_path / "broken.jsonl", "broken.jsonl line 2 is not JSON")):
         err = refused(tmp_path, capsys, "--dataset_name", str(name))
         assert f"dataset.name={str(name)!r} (--dataset_name): {says}" in err, err
+
+
+def test_a_text_column_holding_numbers_is_refused(tmp_path, capsys):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"text": "a document"}\n{"text": 5}\n')
+    err = refused(tmp_path, capsys, "--dataset_name", str(mixed))
+    assert ("dataset.text_column='text': row 2 of mixed.jsonl holds int 5 in column 'text', "
+            "not text; make every row's 'text' a string") in err, err
