@@ -18,6 +18,7 @@ FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "js
                  ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 LOOK_ROWS = 100
 WHOLE_JSON_BYTES = 16 << 20
+ENCODING = "utf-8-sig"     # UTF-8, a leading byte-order mark dropped (as `datasets` drops it)
 
 
 def files_problem(files: list, whole_folder: bool = False):
@@ -82,8 +83,9 @@ def contents_problem(files: list, rows=LOOK_ROWS):
         try:
             columns[f] = file_columns(f, rows)
         except UnicodeDecodeError as e:
-            return (f"{short[f]} is not UTF-8 text ({e.reason} at byte {e.start} of a line); "
-                    f"files must be UTF-8 text: save it as UTF-8")
+            return (f"{short[f]} is not UTF-8 text ({e.reason}: byte "
+                    f"{e.object[e.start:e.start + 1].hex()}); files must be UTF-8 text: save "
+                    f"it as UTF-8")
         except NotJson as e:
             return (f"{short[f]} line {e.line} is not JSON ({e.reason}); fix or remove that "
                     f"line (a .jsonl file holds one JSON object per line)")
@@ -112,7 +114,7 @@ def file_columns(path: str, rows=LOOK_ROWS):
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext in (".txt", ".text"):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding=ENCODING) as f:
                 for _ in itertools.islice(f, rows):      # only to meet a non-UTF-8 line
                     pass
             return ["text"]
@@ -126,7 +128,7 @@ def file_columns(path: str, rows=LOOK_ROWS):
             except pa.ArrowInvalid:
                 return pa.ipc.open_file(path).schema.names
         if ext == ".csv":
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding=ENCODING) as f:
                 return next(csv.reader([next((x for x in f if x.strip()), "")]), [])
         return _json_columns(path, rows)
     except NotJson:
@@ -142,7 +144,7 @@ def _json_columns(path: str, rows):
     when its first line is not a whole JSON value, one document (a list of rows, or an
     object whose keys are the columns) spread over many lines."""
     keys = {}
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding=ENCODING) as f:
         lines = ((i, x) for i, x in enumerate(f, 1) if x.strip())
         for n, (i, line) in enumerate(itertools.islice(lines, rows)):
             try:
@@ -162,7 +164,7 @@ def _json_columns(path: str, rows):
 def _document_columns(path: str, rows):
     if rows is not None and os.path.getsize(path) > WHOLE_JSON_BYTES:
         return None
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding=ENCODING) as f:
         try:
             doc = json.load(f)
         except ValueError as e:
@@ -182,7 +184,7 @@ def text_problem(path: str, column: str, rows=LOOK_ROWS):
     if os.path.splitext(path)[1].lower() not in (".json", ".jsonl"):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding=ENCODING) as f:
             lines = itertools.islice((x for x in f if x.strip()), rows)
             for n, line in enumerate(lines, 1):
                 value = json.loads(line).get(column)

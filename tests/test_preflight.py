@@ -123,6 +123,9 @@ def test_a_column_only_some_rows_hold_is_a_column(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"other": "x"}\n{"text": "a document", "other": "y"}\n')
     assert create(tmp_path, "--dataset_name", str(rows))
+    # a byte-order mark before the first row: read as the loader reads it
+    rows.write_bytes(b"\xef\xbb\xbf" + rows.read_bytes())
+    assert create(tmp_path, "--dataset_name", str(rows))
 
 
 def test_bytes_must_fit_the_vocabulary(tmp_path, capsys, formats):
