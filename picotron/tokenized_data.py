@@ -45,7 +45,8 @@ def _local_reason(e: Exception, files) -> str:
             or type(cause).__name__ == "SchemaInferenceError"):
         return "no rows could be read (is a file empty?); give files that hold text"
     if isinstance(cause, UnicodeDecodeError):
-        return f"{_first_line(cause)} (files must be UTF-8 text); save them as UTF-8"
+        return (f"a file is not UTF-8 text ({cause.reason}); files must be UTF-8 text: save "
+                f"them as UTF-8")
     if type(cause).__name__ == "CastError":   # a column that rows of the first file lack
         return ("some rows have columns that the first rows read do not have; give files "
                 "whose rows have the same columns")
@@ -71,9 +72,13 @@ def load_documents(d, split: str):
     import datasets
     name = os.path.expanduser(d.name)
     saved = saved_dataset(name)
-    files = sorted(glob.glob(name)) if any(c in name for c in "*?[") else []
-    files = data_files(name) if os.path.isdir(name) else [name] if os.path.isfile(name) else files
-    if not saved and (files or os.path.isdir(name)):      # the files' first rows, first
+    if os.path.isdir(name):
+        files = data_files(name)
+    elif os.path.isfile(name):
+        files = [name]
+    else:                                                  # a glob, or nothing here
+        files = sorted(glob.glob(name)) if any(c in name for c in "*?[") else []
+    if not saved and (files or os.path.isdir(name)):   # said before datasets reads a row
         problem = (files_problem(files, whole_folder=os.path.isdir(name))
                    or contents_problem(files))
         if problem:
