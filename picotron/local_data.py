@@ -83,7 +83,7 @@ def contents_problem(files: list, rows=LOOK_ROWS):
         try:
             columns[f] = file_columns(f, rows)
         except UnicodeDecodeError as e:
-            return (f"{short[f]} is not UTF-8 text ({e.reason}: byte "
+            return (f"{short[f]} is not UTF-8 text ({e.reason}: byte 0x"
                     f"{e.object[e.start:e.start + 1].hex()}); files must be UTF-8 text: save "
                     f"it as UTF-8")
         except NotJson as e:
@@ -91,16 +91,21 @@ def contents_problem(files: list, rows=LOOK_ROWS):
                     f"line (a .jsonl file holds one JSON object per line)")
     # A column only some files hold is read as nulls in the others, or refused with a
     # CastError, depending on which file `datasets` reads first: ask for the same columns.
-    known = {f: c for f, c in columns.items() if c is not None}
-    if len({frozenset(c) for c in known.values()}) > 1:
+    kinds = {}                           # each set of columns -> the first file holding it
+    for f, c in columns.items():
+        if c is not None:
+            kinds.setdefault(frozenset(c), f)
+    if len(kinds) > 1:
         listed = "; ".join(f"{short[f]}: {', '.join(sorted(c)[:6])}{' ...' if len(c) > 6 else ''}"
-                           for f, c in list(known.items())[:4])
-        return (f"has files with different columns ({listed}{'; ...' if len(known) > 4 else ''}"
+                           for c, f in list(kinds.items())[:4])
+        return (f"has files with different columns ({listed}{'; ...' if len(kinds) > 4 else ''}"
                 f"); give files with the same columns")
     return None
 
 
 class NotJson(ValueError):
+    """A row of a JSON file that does not parse: its line, for the message to name."""
+
     def __init__(self, line: int, reason: str):
         super().__init__(f"line {line}: {reason}")
         self.line, self.reason = line, reason

@@ -241,6 +241,12 @@ def test_files_with_different_columns_are_refused(tmp_path, capsys):
     assert "has files with different columns (tokenizer.json: added_tokens" in err, err
     (schema / "b.jsonl").write_text('{"text": "another"}\n')
     assert create(tmp_path, "--dataset_name", str(schema))
+    # one odd file among many: named beside the first of the others
+    for i in range(5):
+        (schema / f"c{i}.jsonl").write_text('{"text": "more"}\n')
+    (schema / "d.jsonl").write_text('{"body": "odd"}\n')
+    err = refused(tmp_path, capsys, "--dataset_name", str(schema))
+    assert "different columns (a.jsonl: text; d.jsonl: body)" in err, err
 
 
 def test_data_with_no_rows_or_a_broken_first_line_is_refused(tmp_path, capsys):
