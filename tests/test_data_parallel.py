@@ -8,6 +8,7 @@ import torch
 from launch import (ROOT, final_weights, launch, launch_many, launch_script, read_metrics,
                     write_config)
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
+from picotron.shards import load_full_weights
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
         "--num_hidden_layers", "2", "--seq_len", "32", "--mbs", "2", "--total_train_steps", "5",
@@ -82,7 +83,9 @@ def test_first_reduction_starts_before_backward_ends(measured):
         assert m["num_buckets"] >= 3
         assert len(m["launch_log"]) == m["num_buckets"]      # every bucket reduced once
         first_bucket, grads_ready = m["launch_log"][0]
-        assert grads_ready < m["num_params"], m["launch_log"]  # launched mid-backward
+        # one parameter gets no gradient: a backward makes num_params - 1 of them, so a
+        # launch before the last one is ready is a launch mid-backward
+        assert grads_ready < m["num_params"] - 1, m["launch_log"]
     # distributed.overlap_grad_reduce=false: every reduction waits until backward is done
     m = measured["no_overlap"]
     assert len(m["launch_log"]) == m["num_buckets"]
@@ -156,13 +159,16 @@ def test_a_non_finite_gradient_skips_the_update_in_any_dtype(tmp_path):
     """fp32 (no loss scaler): from the second step on the gradient norm is not finite (as a
     diverged model's: tests/workers/diverging_run.py). Those steps must be recorded as
     skipped and leave the weights as they were."""
-    path = write_config(tmp_path, "nan", TINY + ["--set", "training.warmup_steps=0"])
+    path = write_config(tmp_path, "nan", TINY + ["--set", "training.warmup_steps=0",
+                                                 "--set", "checkpoint.save_frequency=1"])
     launch_script(os.path.join(ROOT, "tests", "workers", "diverging_run.py"), 1, [path, 2])
     records = read_metrics(path)
     assert [r["skipped"] for r in records] == [False] + [True] * 4, records
     assert all(r["grad_norm"] is None for r in records[1:])    # not finite: written as null
-    after_first = final_weights(path)           # saved after step 5: still step 1's weights
-    assert all(torch.isfinite(w).all() for w in after_first.values())
+    after_first = load_full_weights(os.path.join(tmp_path, "nan", "checkpoints", "step_000001"))
+    after_last = final_weights(path)                            # step_000005
+    assert after_last.keys() == after_first.keys()
+    assert all(torch.equal(after_last[n], w) for n, w in after_first.items())
 
 
 def test_precision_regimes_hold_the_stated_optimizer_state(measured):
@@ -172,3 +178,23 @@ def test_precision_regimes_hold_the_stated_optimizer_state(measured):
     assert measured["zero0"]["bytes_per_param"] == pytest.approx(8, rel=1e-3)
     assert measured["bf16_master"]["bytes_per_param"] == pytest.approx(12, rel=1e-3)
     assert measured["bf16_no_master"]["bytes_per_param"] == pytest.approx(4, rel=1e-3)
+
+
+def test_offloaded_masters_are_copies_even_on_a_cpu(tmp_path):
+    """On a CPU run with fp32 weights, `.float().cpu()` of a shard is the shard itself: the
+    offloaded AdamW would then write the parameters directly, and the dp4 offload case above
+    could not see a wrong copy-back from the CPU masters to the parameters."""
+    import torch.distributed as dist
+
+    import create_config
+    import train
+    from picotron.config import load_config
+    from picotron.process_group_manager import ProcessGroupManager
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "o", "--use_cpu",
+                               *TINY, *OFFLOAD])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _, _, _, opt = train.build_training(load_config(path), ProcessGroupManager(dp=1),
+                                        torch.device("cpu"))
+    pairs = [(m, s) for m, s, off in zip(opt.masters, opt.param_shards, opt.offloaded) if off]
+    assert pairs and all(m.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+                         for m, s in pairs)

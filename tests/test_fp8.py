@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from launch import ROOT, launch_script, write_config
+from tiny import import_triton
 from picotron.config import Config, DistributedConfig, ModelConfig, TrainingConfig
 from picotron.model import Decoder
 from picotron.speed import fp8 as fp8_module
@@ -99,7 +100,7 @@ def test_fp8_swiglu_linear_is_swiglu_then_the_fp8_linear(recipe):
     SwiGLU runs in Triton's interpreter on CPU, tests/conftest.py) gives exactly what the
     SwiGLU followed by the FP8 linear gives, output and both gradients: the same h, cast the
     same way, whether kept or recomputed."""
-    pytest.importorskip("triton")
+    import_triton()
     torch.manual_seed(2)
     gu, w, dy = torch.randn(2, 16, 96), 0.1 * torch.randn(32, 48), torch.randn(2, 16, 32)
     assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe)
@@ -204,7 +205,7 @@ def test_fp8_with_our_kernels_recomputes_exactly(recipe, mode):
     """model.kernels='triton' (Triton's interpreter on CPU) with FP8: the fused q/k/v and
     gate/up blocks swapped; "selective" (the MLP's recomputing FP8 SwiGLU + down projection)
     and "full" give bitwise the gradients of no recomputation."""
-    pytest.importorskip("triton")
+    import_triton()
     from picotron.loss import causal_lm_loss
     from picotron.speed import apply_speed
     from picotron.speed.fp8_triton import Fp8TritonAttention, Fp8TritonMLP

@@ -18,6 +18,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from launch import write_config
+from tiny import import_triton
 from picotron.model import Decoder
 from picotron.speed import apply_speed
 from picotron.speed.fp8 import fp8_linear
@@ -56,7 +57,7 @@ def test_one_cast_per_step_and_the_same_numbers(recipe, kernels, checkpointing):
     forward and backward all hit); gradients and losses bitwise those without caches; an
     in-place update of the weights (as the optimizer's) makes the next forward recast."""
     if kernels == "triton":
-        pytest.importorskip("triton")
+        import_triton()
     ids = torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(0))
     ids = ids.to(DEVICE)
     results = []
@@ -109,7 +110,7 @@ def test_the_optimizer_step_recasts(tmp_path, fused_adam):
     flat buffers, whose version counters are not the parameters'); and the losses are bitwise
     those of casting at every use, so no step ran on stale FP8 weights."""
     if fused_adam:
-        pytest.importorskip("triton")
+        import_triton()
     import train
     from picotron.data import StepBatches, build_train_val
     from picotron.speed.adamw import TritonAdamW

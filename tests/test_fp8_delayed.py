@@ -134,8 +134,8 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     micro-batches: the same amaxes after every step, losses and final weights to fp32
     summation order; and so ZeRO-3 dp2 with accumulation (two one-sample micro-batches a
     rank: its gathers must not look like a weight change, which would roll between
-    micro-batches) against one process accumulating four, tp2 and pp2 (amaxes and losses:
-    their ranks hold parts of the weights), and cp2 (its ranks hold chunks of each sequence:
+    micro-batches) against one process accumulating four, tp2 and pp2 (their ranks hold
+    parts of the weights: compared through a checkpoint), and cp2 (its ranks hold chunks of each sequence:
     the first step's casts scale by the whole sequence's amax), eager and compiled. The
     controls, whose roll skips the data-parallel or the tensor-parallel group, or whose first
     step scales each cp chunk by its own amax, must differ. dp2's checkpoint after step 2
@@ -177,8 +177,10 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
                 assert got[site] == pytest.approx(a, rel=RTOL), (layout, step, site)
         assert runs[layout]["losses"][:steps] == pytest.approx(want_run["losses"][:steps],
                                                                rel=RTOL), layout
-        for name, w in want_run["weights"].items() if runs[layout]["weights"] else ():
-            torch.testing.assert_close(runs[layout]["weights"][name], w, rtol=RTOL, atol=RTOL)
+        assert runs[layout]["weights"].keys() == want_run["weights"].keys(), layout
+        for name, w in want_run["weights"].items():
+            torch.testing.assert_close(runs[layout]["weights"][name], w, rtol=RTOL, atol=RTOL,
+                                       msg=f"{layout}: {name}")
     # a roll that leaves out dp, or tp; a first step that scales cp's chunks apart
     for control in ("control", "tp2 control", "cp2 control"):
         amaxes = runs[control]["amaxes"][0]

@@ -15,7 +15,8 @@ tests/test_fp8_gpu.py runs both checks on the GPU at a 1.7B MLP's widths.
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tiny import import_triton
+import_triton()
 from picotron.speed import fp8_fused, fp8_quantize, fp8_triton  # noqa: E402
 from picotron.speed.fp8_quantize import E4M3, reference, reference_amax  # noqa: E402
 from picotron.speed.triton_swiglu import _swiglu_backward, _swiglu_forward  # noqa: E402

@@ -11,7 +11,8 @@ the same comparisons on the GPU at a real projection's size.
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from tiny import import_triton
+triton = import_triton()
 import triton.language as tl  # noqa: E402
 
 from picotron.speed import fp8_cast, fp8_quantize  # noqa: E402

@@ -6,13 +6,12 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from picotron.attention import eager_attention, flash_attention, sdpa_attention
 from picotron.config import ModelConfig
 from picotron.loss import causal_lm_loss
 from picotron.model import Decoder, materialize
-
-transformers = pytest.importorskip("transformers")   # a listed requirement: always present in CI
 
 # Odd sizes on purpose: 7 query heads of dim 6 over 1 kv head would hide a GQA indexing bug
 # that 4 over 2 can also hide; 3 kv heads of 2 query heads each do not.

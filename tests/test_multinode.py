@@ -13,8 +13,9 @@ import sys
 import time
 
 import pytest
+import torch
 
-from launch import ROOT, free_port, launch, read_metrics, write_config
+from launch import ROOT, final_weights, free_port, launch, read_metrics, write_config
 import create_config
 from picotron.errors import ConfigError
 from picotron.process_group_manager import check_nodes
@@ -123,7 +124,7 @@ def test_create_config_refuses_an_allocation_that_does_not_fit(tmp_path, capsys,
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
         "--num_hidden_layers", "2", "--seq_len", "32", "--learning_rate", "1e-3",
         "--set", "training.warmup_steps=1", "--set", "training.adam_eps=1e-6",
-        "--total_train_steps", "3", "--seed", "7", "--set", "checkpoint.save_final=false",
+        "--total_train_steps", "3", "--seed", "7",
         "--set", "distributed.timeout_s=120", "--mbs", "2"]
 
 
@@ -178,6 +179,12 @@ def test_two_nodes_train_like_one_process(tmp_path):
     for a, b in zip(run, one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
+    # the final checkpoints, written by the two nodes' ranks: a wrong average over dp or a
+    # stale tp shard moves a weight by ~1e-3 (one step at lr 1e-3) and the loss far less
+    w_two, w_one = final_weights(two), final_weights(ref)
+    assert w_two.keys() == w_one.keys()
+    for key in w_one:
+        torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
 def test_train_refuses_a_tp_group_across_nodes(tmp_path):

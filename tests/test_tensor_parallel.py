@@ -93,7 +93,8 @@ def test_training_matches_tp1(tp_runs, reference, tp, sp, tied, arch):
     ref_metrics, ref_weights = reference(tied, arch)
     path = tp_runs[IDS[CASES.index((tp, sp, tied, arch))]]
     metrics = read_metrics(path)
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(
+        range(1, STEPS + 1))
     for got, want in zip(metrics, ref_metrics):
         assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), got["step"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=LOSS_RTOL), got["step"]

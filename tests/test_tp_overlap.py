@@ -81,7 +81,8 @@ def runs(tmp_path_factory):
 def test_training_matches_one_process(runs, name):
     path, ref = runs[name]
     metrics, ref_metrics = read_metrics(path), read_metrics(ref)
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(
+        range(1, STEPS + 1))
     for got, want in zip(metrics, ref_metrics):
         assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), got["step"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=LOSS_RTOL), got["step"]

@@ -17,7 +17,8 @@ and the strict ones run on the GPU.
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from tiny import import_triton
+triton = import_triton()
 from picotron.speed.triton_adamw import adamw_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

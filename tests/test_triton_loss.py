@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton")
+from tiny import import_triton
+triton = import_triton()
 from picotron.speed import triton_loss  # noqa: E402
 from picotron.loss import IGNORE_INDEX  # noqa: E402
 from picotron.speed.loss import HeadInLoss, LinearCrossEntropy  # noqa: E402

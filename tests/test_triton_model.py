@@ -11,7 +11,8 @@ tests/test_kernels_gpu.py runs the bf16 version of this at 360M's widths on a GP
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tiny import import_triton
+import_triton()
 from picotron.config import ModelConfig  # noqa: E402
 from picotron.loss import causal_lm_loss  # noqa: E402
 from speed_helpers import build_with_speed  # noqa: E402

@@ -13,7 +13,8 @@ tests/test_triton_adamw.py).
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tiny import import_triton
+import_triton()
 from picotron.model import apply_rope, rope_cos_sin  # noqa: E402
 from picotron.speed.triton_rope import qkv_rope  # noqa: E402
 

@@ -1,12 +1,24 @@
 """Small local stand-ins for hub downloads: documents in every file format, a BPE tokenizer,
-a Llama written by transformers, and a one-process group for in-process checkpoint calls."""
+a Llama written by transformers, a one-process group for in-process checkpoint calls, and
+triton where requirements.txt installs it."""
 import json
 import os
+import platform
 
 import torch
 import torch.distributed as dist
 
 from picotron.process_group_manager import ProcessGroupManager
+
+
+def import_triton():
+    """triton: a requirement on Linux x86_64 (requirements.txt), so a missing one there is a
+    broken install and its tests fail; elsewhere (no wheel for it) they skip."""
+    import pytest
+    if platform.system() == "Linux" and platform.machine() == "x86_64":
+        import triton
+        return triton
+    return pytest.importorskip("triton")
 
 
 def one_process_group() -> ProcessGroupManager:

@@ -38,8 +38,8 @@ class DistributedAdamW:
             # (reversed: the embedding-side buckets are offloaded first)
             offload = budget > 0
             budget -= b.shard_numel if offload else 0
-            if offload:
-                master = shard.detach().float().cpu()
+            if offload:     # a copy: .float().cpu() of an fp32 CPU shard would be itself
+                master = shard.detach().to("cpu", torch.float32, copy=True)
             elif shard.dtype != torch.float32 and t.master_weights:
                 master = shard.detach().float().clone()
             else:

@@ -8,7 +8,8 @@ roll skips the data-parallel group (each rank's scales from its own micro-batche
 the others, a tp2 control whose roll skips the tensor-parallel group, and a cp2 control whose
 first step scales each rank's chunk of the sequence by its own amax. FP8 is set after loading: the
 config refuses FP8 on CPU (no FP8 tensor cores), and the math is the GPU's. Rank 0 saves,
-per run, the losses, the delayed amaxes after each step, and the final weights. `run` also
+per run, the losses, the delayed amaxes after each step, and the final weights (under tp
+or pp put together by a checkpoint). `run` also
 resumes a checkpoint (the test calls it in one process)."""
 import os
 import sys
@@ -28,7 +29,7 @@ def run(path, steps, skip=None, save_to=None, resume=None):
     checkpoint folder, saved after step 2; `resume`: a checkpoint to start from (the result
     then has "loaded": the amaxes the ledger took from it)."""
     from checkpoint_helpers import step_state
-    from picotron.checkpoint import load_checkpoint, save_checkpoint
+    from picotron.checkpoint import load_checkpoint, load_full_weights, save_checkpoint
     config, pgm, device = train.setup(path)
     config.training.fp8 = "tensorwise_delayed"
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
@@ -54,10 +55,14 @@ def run(path, steps, skip=None, save_to=None, resume=None):
         amaxes.append(every_stage(ledger.state()) if pgm.pp_size > 1 else ledger.state())
     if pgm.pp_size > 1:                 # the loss is the last stage's
         losses = every_stage(losses)
-    weights = None                      # whole weights on each rank: not under tp or pp
     if pgm.tp_size == 1 and pgm.pp_size == 1:
         with grads.full_parameters():               # ZeRO-3 holds only shards between steps
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    else:       # parts of them on each rank: put together by a layout-free checkpoint
+        final = save_checkpoint(model, optimizer, pgm, config,
+                                os.path.join(os.path.dirname(path), "final"), steps,
+                                step_state(config, steps))
+        weights = load_full_weights(final)
     return {"losses": losses, "amaxes": amaxes, "weights": weights, **out}
 
 
