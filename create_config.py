@@ -168,7 +168,7 @@ def main(argv=None) -> str:
         run_dir = os.path.join(args.out_dir, args.exp_name)
         if unwritable(run_dir):
             raise ConfigError(f"cannot write the config to '{run_dir}': {unwritable(run_dir)}")
-        outputs = config.logging.run_dir or run_dir
+        outputs = os.path.expanduser(config.logging.run_dir or run_dir)
         held = existing_run(outputs, os.path.join(outputs, config.checkpoint.save_dir))
         if held:      # their config.json is what a resume checks the checkpoints against
             raise ConfigError(f"'{outputs}' already holds a run ({held}); write the new "

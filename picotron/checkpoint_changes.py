@@ -14,6 +14,8 @@ another run under the old name, so it is refused, naming each setting and the fi
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.
 """
+import os
+
 from picotron.checkpoint_verify import FUNCTION_SETTINGS, SAVED_SETTINGS
 from picotron.shards import SharedCheckpointError
 
@@ -38,6 +40,13 @@ def check_model_shape(saved, config, directory: str) -> None:
                                     f"same model settings, or start a new run")
 
 
+def _same(old, new) -> bool:
+    """Equal settings; a path is the same written with '~' (as a checkpoint from before '~'
+    was expanded at load saved it) or expanded."""
+    return old == new or (isinstance(old, str) and isinstance(new, str)
+                          and os.path.expanduser(old) == os.path.expanduser(new))
+
+
 def run_changes(saved, config, saved_windows, windows, saved_contents=None,
                 contents=None) -> dict:
     """{setting: (checkpoint's value, this config's)} for every run-changing difference.
@@ -52,7 +61,7 @@ def run_changes(saved, config, saved_windows, windows, saved_contents=None,
             diffs[f"training.{key}"] = (getattr(saved.training, key),
                                         getattr(config.training, key))
     for key in DATASET_FIELDS:
-        if getattr(saved.dataset, key) != getattr(config.dataset, key):
+        if not _same(getattr(saved.dataset, key), getattr(config.dataset, key)):
             diffs[f"dataset.{key}"] = (getattr(saved.dataset, key), getattr(config.dataset, key))
     if saved.global_batch_size != config.global_batch_size:
         # mbs x grad_acc x dp: a new layout may split the same global batch differently

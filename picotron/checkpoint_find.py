@@ -79,8 +79,8 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
         if os.path.basename(candidate) == written:  # the steps above it are another history
             candidates.insert(0, candidates.pop(i))
             break
-    else:
-        if written is not None:     # damaged, or naming a checkpoint deleted by hand
+    else:       # damaged, or naming a checkpoint deleted by hand: said if others are resumed
+        if written is not None and candidates:
             skipped.append(f"the `latest` file's {written[:40]!r} (no such checkpoint here)")
     for candidate in candidates:
         state, saved, problems = verified(candidate, pgm)
@@ -132,6 +132,11 @@ def checkpoint_to_read(path: str) -> str:
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         return find_checkpoint(os.path.abspath(path), path, ".")[0]
     found = resolve_checkpoint("latest", path, ".")
+    folders = [os.path.join(path, d) for d in sorted(os.listdir(path))
+               if step_names(os.path.join(path, d))] if os.path.isdir(path) else []
+    if found is None and folders:                     # a run directory: its checkpoints
+        raise SharedCheckpointError(f"'{path}' is a run directory, not a checkpoint; give "
+                                    f"its checkpoints folder ({folders[0]}) or one of them")
     if found is None:
         raise SharedCheckpointError(f"'{path}' is neither a checkpoint (a step_* directory "
                                     f"with a {STATE_FILE}) nor a folder of them; give e.g. "

@@ -127,7 +127,6 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None,
         else:
             built[key] = _build_section(hints[key], value, key, errors)
     config = Config(**built)
-    expand_home(config)
     resolved = copy.deepcopy(config)
     if not errors:
         resolve_auto(resolved)
@@ -147,7 +146,8 @@ PATH_KEYS = ("model.name", "dataset.name", "dataset.tokenizer", "dataset.cache_d
 def expand_home(config: Config) -> None:
     """'~/runs/x' where no shell expanded it (`--set logging.run_dir=~/x`: bash expands a
     '~' only at the start of a word; a hand-written config.json) is the home folder's, as
-    on the command line, not a folder named '~' in the working directory."""
+    on the command line, not a folder named '~' in the working directory. Applied by
+    load_config, for the process that runs the config; the file keeps the '~'."""
     for key in PATH_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(config, section), name)
@@ -215,7 +215,7 @@ def load_config(path: str, world_size: Optional[int] = None, overrides=()) -> Co
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
     except _DuplicateKey as e:
-        raise ConfigError(f"config file '{path}' gives key '{e}' twice in one section; JSON "
+        raise ConfigError(f"config file '{path}' gives key '{e}' twice in one object; JSON "
                           f"would silently keep the last: delete the one you did not mean"
                           ) from None
     missing = [f.name for f in dataclasses.fields(Config) if isinstance(raw, dict)
@@ -225,4 +225,6 @@ def load_config(path: str, world_size: Optional[int] = None, overrides=()) -> Co
                           f"it, or write `\"{missing[0]}\": {{}}` to take every default of it")
     if overrides and isinstance(raw, dict):
         apply_overrides(raw, list(overrides))
-    return config_from_dict(raw, world_size)
+    config = config_from_dict(raw, world_size)
+    expand_home(config)             # here, where it runs: the file keeps '~' for any machine
+    return config

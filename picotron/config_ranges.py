@@ -172,10 +172,11 @@ def source_errors(config) -> list:
                       f"train on a dataset that this tokenizer should encode")
     for key, value in (("dataset.tokenizer", d.tokenizer),
                        ("checkpoint.init_from", config.checkpoint.init_from)):
-        if value is None or os.path.isdir(value) or (key == "dataset.tokenizer"
+        path = None if value is None else os.path.expanduser(value)
+        if value is None or os.path.isdir(path) or (key == "dataset.tokenizer"
                                                      and value == "byte"):
             continue
-        if os.path.lexists(value):
+        if os.path.lexists(path):
             errors.append(f"{key}={value!r} is a file, not a folder; give the folder that "
                           f"holds it")
         elif not HUB_ID.fullmatch(value) or ".." in value:

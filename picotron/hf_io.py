@@ -152,8 +152,8 @@ def check_export_dir(out_dir: str) -> None:
     empty directory, or over an earlier export (a config.json with a `model_type`), never over
     anything else, such as a run's own config.json or its checkpoints."""
     if not out_dir.strip():
-        raise ExportError("the export directory is empty; give a directory to create, e.g. "
-                          "--out tmp/debug-hf")
+        raise ExportError("the export directory is an empty string; give a directory to "
+                          "create, e.g. --out tmp/debug-hf")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"the export directory '{out_dir}' is a file; give a directory "
                           f"to create, e.g. tmp/debug-hf")

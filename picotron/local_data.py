@@ -62,11 +62,12 @@ def data_files(folder: str) -> list:
     return sorted(found)
 
 
-def contents_problem(files: list, rows=LOOK_ROWS):
+def contents_problem(files: list, rows=LOOK_ROWS, folder: str = None):
     """Why `files` (a folder's files, or those of a file or glob; of one format) hold no
     dataset, from their first `rows` rows, else None: no data file at all, only empty files,
-    a file that is not UTF-8, a JSON-lines row that is not JSON, or files whose columns
-    differ. Each reason names the file and the fix."""
+    a file that is not UTF-8, a JSON-lines row that is not JSON, or a file with a column that
+    the first file read lacks. Each reason names the file and the fix. `folder`: the folder
+    the files make a dataset of (its files are read split by split)."""
     data = [f for f in files if os.path.splitext(f)[1].lower() in FILE_BUILDERS]
     if not data:
         held = (f"it holds only {_listed([os.path.basename(f) for f in files])}" if files
@@ -89,18 +90,33 @@ def contents_problem(files: list, rows=LOOK_ROWS):
         except NotJson as e:
             return (f"{short[f]} line {e.line} is not JSON ({e.reason}); fix or remove that "
                     f"line (a .jsonl file holds one JSON object per line)")
-    # A column only some files hold is read as nulls in the others, or refused with a
-    # CastError, depending on which file `datasets` reads first: ask for the same columns.
-    kinds = {}                           # each set of columns -> the first file holding it
-    for f, c in columns.items():
-        if c is not None:
-            kinds.setdefault(frozenset(c), f)
-    if len(kinds) > 1:
-        listed = "; ".join(f"{short[f]}: {', '.join(sorted(c)[:6])}{' ...' if len(c) > 6 else ''}"
-                           for c, f in list(kinds.items())[:4])
-        return (f"has files with different columns ({listed}{'; ...' if len(kinds) > 4 else ''}"
-                f"); give files with the same columns")
+    # `datasets` takes its columns from the first file it reads: a later file's column that
+    # one lacks is a CastError (the reverse, a column the later file lacks, reads as nulls).
+    known = [(f, c) for f, c in ((f, columns[f]) for f in read_order(data, folder)) if c]
+    first, first_columns = known[0] if known else (None, [])
+    for f, c in known[1:]:
+        extra = sorted(set(c) - set(first_columns))
+        if extra:
+            return (f"{short[f]} has columns that {short[first]}, the first file read, lacks "
+                    f"({', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}; "
+                    f"{short[first]} has {', '.join(sorted(first_columns)[:6])}): the "
+                    f"dataset takes the first file's columns; give every file the same columns")
     return None
+
+
+def read_order(files: list, folder: str = None) -> list:
+    """`files` in the order `datasets` reads them: a folder's split by split, its splits as
+    its file names make them (train first), each in name order; else in name order."""
+    if folder is not None:
+        try:
+            from datasets.data_files import DataFilesDict, get_data_patterns
+            splits = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder)
+            rank = {os.path.abspath(f): i for i, f in enumerate(
+                f for split in splits.values() for f in split)}
+            return sorted(files, key=lambda f: (rank.get(os.path.abspath(f), len(rank)), f))
+        except Exception:       # no pattern matches: the loader reads them all as one split
+            pass
+    return sorted(files)
 
 
 class NotJson(ValueError):

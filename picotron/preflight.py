@@ -83,7 +83,7 @@ def dataset_problems(d, probe_network) -> list:
         if saved_dataset(path):
             return saved_dataset_problems(d, path)
         found = data_files(path)
-        problem = files_problem(found, whole_folder=True) or contents_problem(found)
+        problem = files_problem(found, whole_folder=True) or contents_problem(found, folder=path)
         if problem:
             return [f"{key}: {problem}"]
         return folder_split_problems(d, path)

@@ -61,7 +61,10 @@ def readable_as_usual(path: str) -> None:
     """safetensors creates its files 0600, readable by their owner only; give them the mode
     any other file gets here (0666 less the umask), so that a team sharing a cluster's disk
     reads checkpoints and exports as it reads the logs beside them."""
-    os.chmod(path, 0o666 & ~UMASK)
+    try:
+        os.chmod(path, 0o666 & ~UMASK)
+    except OSError:             # a file system without modes (some network mounts): as it is
+        pass
 
 
 def _open(path: str):

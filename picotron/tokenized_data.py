@@ -33,12 +33,12 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _local_reason(e: Exception, files) -> str:
+def _local_reason(e: Exception, files, folder) -> str:
     """Why `datasets` could not read local files, in words that name the file and the fix:
     every row of `files` looked at now (the first rows passed before the load), else the
     error under its generic DatasetGenerationError put plainly."""
     cause = e.__cause__ or e
-    problem = contents_problem(files, rows=None) if files else None
+    problem = contents_problem(files, rows=None, folder=folder) if files else None
     if problem:
         return problem
     if (isinstance(cause, StopIteration) or not str(cause).strip()
@@ -72,15 +72,16 @@ def load_documents(d, split: str):
     import datasets
     name = os.path.expanduser(d.name)
     saved = saved_dataset(name)
-    if os.path.isdir(name):
+    folder = name if os.path.isdir(name) else None     # read split by split
+    if folder:
         files = data_files(name)
     elif os.path.isfile(name):
         files = [name]
     else:                                                  # a glob, or nothing here
         files = sorted(glob.glob(name)) if any(c in name for c in "*?[") else []
     if not saved and (files or os.path.isdir(name)):   # said before datasets reads a row
-        problem = (files_problem(files, whole_folder=os.path.isdir(name))
-                   or contents_problem(files))
+        problem = (files_problem(files, whole_folder=folder is not None)
+                   or contents_problem(files, folder=folder))
         if problem:
             raise DataError(f"dataset.name='{d.name}': {problem}")
     try:
@@ -103,7 +104,7 @@ def load_documents(d, split: str):
     except Exception as e:
         if os.path.exists(name) or files:    # the files are there: say what is wrong in them
             raise DataError(f"could not read the local dataset dataset.name='{d.name}': "
-                            f"{_local_reason(e, None if saved else files)}") from None
+                            f"{_local_reason(e, None if saved else files, folder)}") from None
         raise DataError(f"could not load dataset.name='{d.name}' (subset {d.subset_name!r}, "
                         f"split {split!r}): {_first_line(e)}; give an existing local path or "
                         f"a Hugging Face dataset id (offline machines need local files)"

@@ -108,7 +108,10 @@ def set_aside_metrics(path: str):
     metrics.jsonl.replaced-<UTC time> instead. Returns that name, or None."""
     if not os.path.isfile(path) or not read_records(path)[0]:
         return None
-    aside = f"{path}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    stamp = f"{path}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    aside, n = stamp, 1
+    while os.path.lexists(aside):             # two starts in one second: keep both
+        aside, n = f"{stamp}-{n}", n + 1
     os.replace(path, aside)
     return aside
 

@@ -27,8 +27,12 @@ def test_generate_and_export_read_only_verified_checkpoints(saved, tmp_path, cap
         assert "weights-pp0-tp0.safetensors: does not match" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
     assert checkpoint_to_read(root) == os.path.join(root, "step_000002")   # 3 is skipped
-    with pytest.raises(CheckpointError, match="neither a checkpoint .* nor a folder of them"):
+    with pytest.raises(CheckpointError, match="is a run directory, not a checkpoint; give its "
+                                              "checkpoints folder"):
         checkpoint_to_read(str(tmp_path))
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint .* nor a folder of them"):
+        checkpoint_to_read(str(tmp_path / "nothing"))
 
 
 def test_a_moved_tokenizer_is_named_with_the_flag_that_replaces_it(saved, tmp_path, capsys):

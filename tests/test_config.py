@@ -262,6 +262,14 @@ def test_a_home_relative_path_is_the_home_folder(tmp_path, monkeypatch, capsys):
                                "--set", "logging.run_dir=~/runs/x"])
     assert path == str(tmp_path / "home" / "configs" / "x" / "config.json")
     assert load_config(path).logging.run_dir == str(tmp_path / "home" / "runs" / "x")
+    assert json.load(open(path))["logging"]["run_dir"] == "~/runs/x"    # for any machine
+    # a checkpoint saved with the '~' unexpanded resumes under the expanded path
+    from picotron.checkpoint_changes import run_changes
+    saved = config_from_dict({"dataset": {"name": "~/corpus.jsonl"}})
+    now = config_from_dict({"dataset": {"name": str(tmp_path / "home" / "corpus.jsonl")}})
+    assert run_changes(saved, now, None, None) == {}
+    (tmp_path / "home" / "tok").mkdir()                     # checked where it will be read
+    config_from_dict({"dataset": {"name": "synthetic", "tokenizer": "~/tok"}})
     assert not (tmp_path / "~").exists()
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit) as stopped:

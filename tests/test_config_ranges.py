@@ -139,7 +139,7 @@ def test_a_key_given_twice_is_refused_and_a_bom_is_read(tmp_path):
     path = tmp_path / "config.json"
     text = json.dumps(Config().to_dict(), indent=2)
     path.write_text(text.replace('"training": {', '"training": {"learning_rate": 0.1,', 1))
-    with pytest.raises(ConfigError, match="gives key 'learning_rate' twice in one section"):
+    with pytest.raises(ConfigError, match="gives key 'learning_rate' twice in one object"):
         load_config(str(path))
     path.write_bytes(b"\xef\xbb\xbf" + text.encode())       # saved by an editor with a BOM
     assert load_config(str(path)).training == config_from_dict(Config().to_dict()).training

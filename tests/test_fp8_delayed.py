@@ -135,12 +135,12 @@ def test_every_layout_rolls_the_scales_one_process_computes(tmp_path):
     summation order; and so ZeRO-3 dp2 with accumulation (two one-sample micro-batches a
     rank: its gathers must not look like a weight change, which would roll between
     micro-batches) against one process accumulating four, tp2 and pp2 (their ranks hold
-    parts of the weights: compared through a checkpoint), and cp2 (its ranks hold chunks of each sequence:
-    the first step's casts scale by the whole sequence's amax), eager and compiled. The
-    controls, whose roll skips the data-parallel or the tensor-parallel group, or whose first
-    step scales each cp chunk by its own amax, must differ. dp2's checkpoint after step 2
-    resumes in one process with the amaxes that run rolled there (its output gradients'
-    halved), and trains on like it."""
+    parts of the weights: compared through a checkpoint), and cp2 (its ranks hold chunks of
+    each sequence: the first step's casts scale by the whole sequence's amax), eager and
+    compiled. The controls, whose roll skips the data-parallel or the tensor-parallel group,
+    or whose first step scales each cp chunk by its own amax, must differ. dp2's checkpoint
+    after step 2 resumes in one process with the amaxes that run rolled there (its output
+    gradients' halved), and trains on like it."""
     dp2 = write_config(tmp_path, "dp2", ["--dp", "2"] + TINY)
     zero3 = write_config(tmp_path, "zero3", ["--dp", "2", "--zero_stage", "3"] + TINY
                          + ["--mbs", "1", "--grad_acc_steps", "2"])

@@ -229,7 +229,7 @@ def test_export_never_overwrites_other_files(tmp_path, capsys):
     run.mkdir()
     (run / "config.json").write_text('{"model": {}}')
     for out, words in ((run, "not a Hugging Face export (config.json)"),
-                       (run / "config.json", "is a file"), ("", "directory is empty"),
+                       (run / "config.json", "is a file"), ("", "directory is an empty string"),
                        (run / "config.json" / "sub", "is not a folder (a file")):
         with pytest.raises(SystemExit) as stopped:
             cli.main(["--checkpoint", ckpt, "--out", str(out)])

@@ -193,7 +193,7 @@ def test_cuda_graph_routing_runs_the_stack_in_training_only(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "make_graphed_callables",
                         lambda stack, args: calls.append(args) or stack)
-    cuda_graphs.capture_layers(model, config, "cpu")
+    cuda_graphs.capture_layers(model, config, "cpu", None)        # no gradient buckets here
     stack_calls = []
     original = cuda_graphs.LayerStack.forward
     monkeypatch.setattr(cuda_graphs.LayerStack, "forward",

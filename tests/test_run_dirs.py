@@ -121,6 +121,10 @@ def test_a_latest_file_naming_no_checkpoint_is_named(earlier_run, tmp_path, caps
         assert find_checkpoint("latest", str(root), "/")[0] == str(root / "step_000004")
         assert f"skipped the `latest` file's {text!r} (no such checkpoint here); resuming " \
                f"from {root / 'step_000004'}" in capsys.readouterr().err
+    # no checkpoint left at all: a fresh start (train.py says so), as with no `latest` file
+    for step in ("step_000002", "step_000004"):
+        shutil.rmtree(root / step)
+    assert find_checkpoint("latest", str(root), "/") == (None, None, None)
 
 
 def test_steps_past_a_million_order_by_number(tmp_path):

@@ -50,7 +50,7 @@ class LayerStack(nn.Module):
         return self.eager(self.keys, x, cos, sin)
 
 
-def capture_layers(model, config, device, grads=None):
+def capture_layers(model, config, device, grads):
     """Capture `model`'s layers (all of them: pp is 1) for one micro-batch, and route the
     model's training forwards through the graphs by replacing `run_layers` on the instance.
     Call after GradBuckets(model, ...) (`grads`): under ZeRO its parameter gathers wait in
