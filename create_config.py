@@ -46,10 +46,10 @@ FLAG_HELP = {
     "tp": "tensor-parallel shards of every weight matrix (must divide the attention and "
           "key/value heads)",
     "pp": "pipeline stages of consecutive layers",
-    "cp": "context-parallel shards of every sequence (ring attention)",
+    "cp": "context-parallel shards of every sequence (ring attention, or Ulysses)",
     "pp_engine": "pipeline schedule with --pp > 1",
     "zero_stage": "0: plain data parallelism; 1: shard AdamW's state over the dp ranks; "
-                  "2: and the gradients",
+                  "2: and the gradients; 3: and the parameters",
     "num_hidden_layers": "decoder layers L",
     "num_attention_heads": "query heads H",
     "num_key_value_heads": "key/value heads K (1: multi-query attention)",

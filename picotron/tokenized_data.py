@@ -47,6 +47,9 @@ def _local_reason(e: Exception, files, folder) -> str:
     if isinstance(cause, UnicodeDecodeError):
         return (f"a file is not UTF-8 text ({cause.reason}); files must be UTF-8 text: save "
                 f"them as UTF-8")
+    if "BuilderConfig" in str(cause):     # load_dataset(folder, subset): no such config
+        return (f"dataset.subset_name names no configuration of it ({str(cause).strip()}); "
+                f"set dataset.subset_name to one of those, or to null")
     if type(cause).__name__ == "CastError":   # a column that rows of the first file lack
         return ("some rows have columns that the first rows read do not have; give files "
                 "whose rows have the same columns")

@@ -158,6 +158,13 @@ def test_a_folder_that_is_no_dataset_says_why_in_plain_words(tmp_path):
     (folder / "README.md").write_text("# a corpus\n")
     with pytest.raises(DataError, match="holds no data files \\(it holds only README.md\\)"):
         build_data(config_for(str(folder)))
+    # a folder's configurations are its README's (one, 'default', here): another is named
+    (folder / "a.jsonl").write_text('{"text": "a document"}\n' * 40)
+    config = config_for(str(folder))
+    config.dataset.subset_name = "foo"
+    with pytest.raises(DataError, match="dataset.subset_name names no configuration of it "
+                                        ".*'foo'.*set dataset.subset_name to one of those"):
+        build_data(config)
 
 
 def test_a_folder_and_a_glob_over_it_are_not_the_same_data(tmp_path):
