@@ -9,6 +9,7 @@ header, or a whole JSON document of at most WHOLE_JSON_BYTES. With `rows=None` e
 read: the loader does that only after `datasets` failed, to name the file and line.
 """
 import csv
+import glob
 import itertools
 import json
 import os
@@ -16,6 +17,7 @@ import os
 SAVED_METADATA = ("dataset_info.json", "dataset_dict.json", "state.json", "dataset_infos.json")
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
                  ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+GLOB_CHARS = "*?["
 LOOK_ROWS = 100
 WHOLE_JSON_BYTES = 16 << 20
 ENCODING = "utf-8-sig"     # UTF-8, a leading byte-order mark dropped (as `datasets` drops it)
@@ -60,6 +62,24 @@ def data_files(folder: str) -> list:
         found += [os.path.join(d, f) for f in names
                   if not f.startswith(".") and f not in SAVED_METADATA]
     return sorted(found)
+
+
+def local_files(path: str) -> list:
+    """The data files a local dataset.name names: a folder's (data_files), a file, or a
+    glob's matches, sorted; [] when nothing is there."""
+    if os.path.isdir(path):
+        return data_files(path)
+    if os.path.isfile(path):
+        return [path]
+    return sorted(glob.glob(path)) if any(c in path for c in GLOB_CHARS) else []
+
+
+def local_problem(path: str, files: list):
+    """Why the files `path` names (local_files) make no dataset, else None: files_problem,
+    then contents_problem (a folder's files read split by split)."""
+    folder = path if os.path.isdir(path) else None
+    return (files_problem(files, whole_folder=folder is not None)
+            or contents_problem(files, folder=folder))
 
 
 def contents_problem(files: list, rows=LOOK_ROWS, folder: str = None):

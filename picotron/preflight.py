@@ -8,13 +8,13 @@ or its schema are read.
   file's extension or glob characters, has more than one `/`, or exists) must exist, and its
   files (a folder's too) must be of one format the loader reads, and their first 100 rows
   must make a dataset (local_data.py: some data file, not all empty, UTF-8, JSON lines that
-  parse, the same columns in every file); a file or glob holds one split, "train", and no
-  validation split (that would be the training data); a key of its first file's first 100
-  rows must be `dataset.text_column` (a .txt file's one column is "text"). A folder of data
-  files holds the splits its file names make (train.jsonl, validation.jsonl, ...); a folder
-  written by `save_to_disk` holds the splits and columns it lists. With `dataset.byte_range`,
-  the file must hold the ranges' bytes. A name of the form "name" or "owner/name" that is no
-  local path is a Hugging Face hub id.
+  parse, no file with a column the first file read lacks); a file or glob holds one split,
+  "train", and no validation split (that would be the training data); a key of its first
+  file's first 100 rows must be `dataset.text_column` (a .txt file's one column is "text").
+  A folder of data files holds the splits its file names make (train.jsonl,
+  validation.jsonl, ...); a folder written by `save_to_disk` holds the splits and columns it
+  lists. With `dataset.byte_range`, the file must hold the ranges' bytes. A name of the form
+  "name" or "owner/name" that is no local path is a Hugging Face hub id.
 - The tokenizer, when the dataset needs one (not `embedded`, `synthetic` or a byte range):
   `dataset.tokenizer`, else the model's. It must fit `model.vocab_size` (bytes: 256), and a
   local folder must load (offline).
@@ -26,19 +26,16 @@ or its schema are read.
 `create_config.py --skip_local_checks` skips all of this, for a config written here to run
 on another machine.
 """
-import glob
 import json
 import os
 import socket
 import threading
 
 from picotron.config_ranges import HUB_ID
-from picotron.local_data import (FILE_BUILDERS, SAVED_METADATA, contents_problem, data_files,
-                                 file_columns, files_problem, saved_dataset,
-                                 text_problem)
+from picotron.local_data import (FILE_BUILDERS, GLOB_CHARS, SAVED_METADATA, file_columns,
+                                 local_files, local_problem, saved_dataset, text_problem)
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
-GLOB_CHARS = "*?["
 OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 FIX_OFFLINE = "load it once with a network (it is then cached here)"
 
@@ -78,22 +75,18 @@ def dataset_problems(d, probe_network) -> list:
     if not looks_local(d.name):
         return hub_problems(d.name, "dataset", key, probe_network)
     path = os.path.expanduser(d.name)
-    files = sorted(glob.glob(path)) if any(c in d.name for c in GLOB_CHARS) else []
+    if saved_dataset(path):
+        return saved_dataset_problems(d, path)
+    files = local_files(path)
     if os.path.isdir(path):
-        if saved_dataset(path):
-            return saved_dataset_problems(d, path)
-        found = data_files(path)
-        problem = files_problem(found, whole_folder=True) or contents_problem(found, folder=path)
-        if problem:
-            return [f"{key}: {problem}"]
-        return folder_split_problems(d, path)
-    if not (os.path.isfile(path) or files):
+        problem = local_problem(path, files)
+        return [f"{key}: {problem}"] if problem else folder_split_problems(d, path)
+    if not files:
         what = "matches no file" if any(c in d.name for c in GLOB_CHARS) else "does not exist"
         return [f"{key} {what} (a relative path is read from the folder train.py starts in, "
                 f"here {os.getcwd()}); give an existing file, glob or folder, or a Hugging "
                 f"Face dataset id ('owner/name')"]
-    files = files or [path]
-    problem = files_problem(files) or contents_problem(files)
+    problem = local_problem(path, files)
     if problem:
         return [f"{key}: {problem}"]
     problems = []

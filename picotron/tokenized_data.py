@@ -12,7 +12,6 @@ A failure on rank 0 (missing file, wrong column) is sent to every rank, so all o
 with the same message instead of hanging.
 """
 import contextlib
-import glob
 import logging
 import os
 import sys
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from picotron import token_cache
 from picotron.errors import DataError, SharedDataError
-from picotron.local_data import (FILE_BUILDERS, contents_problem, data_files, files_problem,
+from picotron.local_data import (FILE_BUILDERS, contents_problem, local_files, local_problem,
                                  saved_dataset)
 from picotron.tokenizer import TokenizerError, load_tokenizer, tokenizer_source
 
@@ -76,22 +75,16 @@ def load_documents(d, split: str):
     name = os.path.expanduser(d.name)
     saved = saved_dataset(name)
     folder = name if os.path.isdir(name) else None     # read split by split
-    if folder:
-        files = data_files(name)
-    elif os.path.isfile(name):
-        files = [name]
-    else:                                                  # a glob, or nothing here
-        files = sorted(glob.glob(name)) if any(c in name for c in "*?[") else []
-    if not saved and (files or os.path.isdir(name)):   # said before datasets reads a row
-        problem = (files_problem(files, whole_folder=folder is not None)
-                   or contents_problem(files, folder=folder))
+    files = local_files(name)
+    if not saved and (files or folder):                 # said before datasets reads a row
+        problem = local_problem(name, files)
         if problem:
             raise DataError(f"dataset.name='{d.name}': {problem}")
     try:
         with _builders_quiet():
             if saved:
                 splits = datasets.load_from_disk(name)
-            elif os.path.isdir(name):                       # builder inferred from files
+            elif folder:                                    # builder inferred from files
                 splits = datasets.load_dataset(name, d.subset_name)
             elif files:
                 ext = os.path.splitext(files[0])[1].lower()
