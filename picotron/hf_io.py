@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from picotron import hf_cohere
+from picotron.checkpoint_verify import STATE_FILE
 from picotron.config_ranges import unwritable
 from picotron.shards import (CheckpointError, SharedCheckpointError, checkpoint_config,
                              index_shards, load_full_weights, read_slice, readable_as_usual,
@@ -33,7 +34,7 @@ def our_name(name: str) -> str:
 
 def _weight_files(directory: str) -> list:
     """The safetensors files of a Hugging Face model directory (single file or sharded)."""
-    if any(glob.glob(os.path.join(directory, *inner, "state.json")) for inner in
+    if any(glob.glob(os.path.join(directory, *inner, STATE_FILE)) for inner in
            ((), ("step_*",), ("*", "step_*"))):    # a checkpoint, its folder, its run
         raise SharedCheckpointError(
             f"'{directory}' is a picotron checkpoint, not a Hugging Face model: continue "
