@@ -9,7 +9,7 @@ atomicity: `<dir>.tmp`, state.json last, the rename, then `latest`.
 At most one save is in flight: the next save, and the end of training, first wait for it.
 That wait is collective (every rank calls it at the same step): the ranks exchange what their
 writers raised, so a failed write (a full disk, a rank that died) surfaces on every rank at
-once, as one CheckpointError naming the checkpoint, never lost in a thread. The checkpoints
+once, as one error naming the checkpoint, never lost in a thread. The checkpoints
 written before it stay intact: a failed save never becomes `latest`.
 """
 import threading
@@ -17,7 +17,7 @@ import threading
 import torch.distributed as dist
 
 from picotron.checkpoint_write import HostBuffers, take_snapshot, write_snapshot
-from picotron.shards import CheckpointError
+from picotron.shards import SharedCheckpointError
 
 
 class CheckpointSaver:
@@ -65,6 +65,7 @@ class CheckpointSaver:
         directory, self.pending, self.error = self.pending, None, None
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         if failed:
-            raise CheckpointError(f"saving checkpoint {directory} failed ({'; '.join(failed)}); "
-                                  f"it was not made the latest, the checkpoints before it are "
-                                  f"intact: fix the cause and resume from the latest one")
+            raise SharedCheckpointError(
+                f"saving checkpoint {directory} failed ({'; '.join(failed)}); it was not made "
+                f"the latest, the checkpoints before it are intact: fix the cause, then resume "
+                f"with --set checkpoint.load_path=latest")

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from picotron.checkpoint_verify import (FORMAT_VERSION, STATE_FILE, state_checksum,
                                         step_names)
-from picotron.shards import CheckpointError, slice_bounds, write_shard
+from picotron.shards import (CheckpointError, SharedCheckpointError, slice_bounds,
+                             write_shard)
 
 
 @dataclass
@@ -131,9 +132,8 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
     directory = os.path.join(save_root, f"step_{step:06d}")
     snap = Snapshot(directory, pgm.global_rank, dist.get_world_size(),
                     config.checkpoint.keep_last, config.distributed.timeout_s)
+    _make_tmp_directory(directory, pgm.global_rank)
     if pgm.global_rank == 0:
-        shutil.rmtree(directory + ".tmp", ignore_errors=True)     # debris of a killed save
-        os.makedirs(directory + ".tmp")
         snap.state = {"format_version": FORMAT_VERSION, "step": step, **state,
                       "layout": {k: getattr(pgm, f"{k}_size") for k in ("dp", "pp", "cp",
                                                                         "tp")},
@@ -148,8 +148,29 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
         snap.state["fp8_amaxes"] = amaxes
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()        # the pinned copies have landed: training may go on
-    dist.barrier()                      # <dir>.tmp exists before any rank writes into it
     return snap
+
+
+def _make_tmp_directory(directory: str, rank: int) -> None:
+    """Collective: rank 0 makes `<dir>.tmp` (removing a killed save's debris) and tells every
+    rank whether it could. A save root that vanished, filled up or turned read-only during the
+    run then stops every rank with one message, instead of a traceback on rank 0 and the other
+    ranks left waiting for it in the next collective."""
+    problem = None
+    if rank == 0:
+        shutil.rmtree(directory + ".tmp", ignore_errors=True)
+        try:
+            os.makedirs(directory + ".tmp")
+        except OSError as e:
+            problem = f"{type(e).__name__}: {e.strerror or e}"
+    said = [problem]
+    dist.broadcast_object_list(said, src=0)     # also the barrier: <dir>.tmp exists after it
+    if said[0] is not None:
+        raise SharedCheckpointError(
+            f"could not start checkpoint {directory} ({said[0]}); the checkpoints before it "
+            f"are intact: make {os.path.dirname(directory)} a writable directory with free "
+            f"space (or set checkpoint.save_dir), then resume with --set "
+            f"checkpoint.load_path=latest")
 
 
 def write_snapshot(snap: Snapshot) -> None:

@@ -7,7 +7,9 @@
   same step, a checkpoint is saved, the exit status says so, and the resume is exact;
 - a frozen rank (SIGSTOP): every other rank stops within distributed.heartbeat_s plus one
   interval, naming the frozen rank (picotron/watchdog.py);
-- kill -9 of torchrun itself: its workers exit instead of training on.
+- kill -9 of torchrun itself: its workers exit instead of training on;
+- a save that cannot start (its directory cannot be made): every rank stops with one message
+  naming the checkpoint and the fix, and the checkpoints before it resume exactly.
 Two layouts share the cases: dp2 x tp2, and dp2 x pp2. The detection times are printed
 (`pytest -s`), and the README's reliability section quotes them."""
 import json
@@ -117,23 +119,27 @@ def resume_and_compare(path, expected):
 
 
 CASES = [("dp2-tp2", "kill-mid-step"), ("dp2-tp2", "sigterm"), ("dp2-pp2", "kill-mid-save"),
-         ("dp2-pp2", "sigint")]
+         ("dp2-pp2", "sigint"), ("dp2-tp2", "save-fails")]
 
 
 @pytest.mark.parametrize("layout,fault", CASES)
 def test_fault_then_exact_resume(tmp_path, uninterrupted, layout, fault):
     path = config_for(tmp_path, "run", layout)
-    proc = start(path)
     root = os.path.join(tmp_path, "run", "checkpoints")
+    blocker = os.path.join(root, "step_000006.tmp")
+    if fault == "save-fails":        # step 6's save cannot start: a file where its .tmp goes
+        os.makedirs(root)            # (as root, the CI's user, a read-only mode blocks nothing)
+        open(blocker, "w").close()
+    proc = start(path)
     if fault == "kill-mid-save":     # the moment a checkpoint directory is being written
         wait_for(lambda: logged_steps(path) >= 4 and any(
             d.endswith(".tmp") for d in os.listdir(root)), every=0.001)
-    else:
+    elif fault != "save-fails":
         wait_for(lambda: logged_steps(path) >= 5)
     hit = time.time()
     if fault.startswith("kill"):
         os.kill(workers(proc.pid)[2], signal.SIGKILL)
-    else:
+    elif fault in ("sigterm", "sigint"):
         os.kill(proc.pid, signal.SIGTERM if fault == "sigterm" else signal.SIGINT)
     rc, out, err = finish(proc)
     took = time.time() - hit
@@ -143,6 +149,13 @@ def test_fault_then_exact_resume(tmp_path, uninterrupted, layout, fault):
         assert "stopped by SIGTERM after step" in out, (out[-2000:], err[-3000:])
         stopped = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
         assert os.path.isdir(os.path.join(root, f"step_{stopped:06d}"))
+    if fault == "save-fails":        # said once, by rank 0, with no rank's traceback
+        said = [x for x in err.splitlines() if x.startswith("error")]
+        assert len(said) == 1 and "could not start checkpoint" in said[0], err[-3000:]
+        assert "step_000006" in said[0] and "load_path=latest" in said[0], said
+        assert not any(x.startswith("[rank") for x in err.splitlines()), err[-3000:]
+        assert logged_steps(path) == 6 and os.path.isdir(os.path.join(root, "step_000004"))
+        os.remove(blocker)
     assert logged_steps(path) < STEPS, "the fault came too late to test anything"
     resume_and_compare(path, uninterrupted[layout])
 
