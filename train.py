@@ -271,6 +271,7 @@ def main(argv=None):
     except BaseException:      # a crash or Ctrl-C: the last finished step is still logged
         with contextlib.suppress(Exception):
             log.flush()
+        saver.finish_writing()     # an async save in flight: its checkpoint is not lost
         raise
     watchdog.close()
     if is_logger and start_step < t.total_train_steps:

@@ -12,10 +12,13 @@ writers raised, so a failed write (a full disk, a rank that died) surfaces on ev
 once, as one error naming the checkpoint, never lost in a thread. The checkpoints
 written before it stay intact: a failed save never becomes `latest`.
 """
+import os
+import sys
 import threading
 
 import torch.distributed as dist
 
+from picotron.checkpoint_verify import STATE_FILE
 from picotron.checkpoint_write import HostBuffers, take_snapshot, write_snapshot
 from picotron.shards import SharedCheckpointError
 
@@ -29,6 +32,7 @@ class CheckpointSaver:
         self.thread = None
         self.pending = None              # the directory of the save not yet waited for
         self.error = None                # what this rank's writer raised, as text
+        self.timeout_s = None            # distributed.timeout_s, known at the first save
 
     def save(self, model, optimizer, pgm, config, save_root: str, step: int,
              state: dict) -> str:
@@ -37,6 +41,7 @@ class CheckpointSaver:
         self.wait()                      # one in flight: the host copies are free again
         snap = take_snapshot(model, optimizer, pgm, config, save_root, step, state,
                              self.buffers)
+        self.timeout_s = snap.timeout_s
         self.pending = snap.directory
         if self.async_save:
             self.thread = threading.Thread(target=self._write, args=(snap,), daemon=True,
@@ -52,6 +57,19 @@ class CheckpointSaver:
             write_snapshot(snap)
         except Exception as e:           # kept for wait(), which every rank reaches
             self.error = f"{type(e).__name__}: {e}"
+
+    def finish_writing(self) -> None:
+        """Not collective: on a crash (or Ctrl-C), let the save in flight write its files, which
+        come from host copies the crash cannot touch, so the checkpoint taken before it is not
+        lost. Bounded, as any save, by distributed.timeout_s (rank 0 waits for every rank's)."""
+        if self.thread is None:
+            return
+        self.thread.join(timeout=self.timeout_s)
+        if self.thread.is_alive() or self.error is not None:
+            return
+        if os.path.isfile(os.path.join(self.pending, STATE_FILE)):    # rank 0 completed it
+            print(f"checkpoint {self.pending}, in flight when the run stopped, is complete",
+                  file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """Collective: finish the save in flight; if any rank's writer failed, raise on all."""

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -196,6 +197,8 @@ def _finish(snap: Snapshot) -> None:
     waiting = set(range(snap.world))
     deadline = time.monotonic() + snap.timeout_s
     while waiting:
+        if not os.path.isdir(tmp):      # its ranks could not even say they failed
+            raise CheckpointError(f"{tmp} was removed while the checkpoint was being written")
         for r in sorted(waiting):
             failed = os.path.join(tmp, f".failed-rank{r}.json")
             if os.path.exists(failed):
@@ -223,9 +226,15 @@ def _finish(snap: Snapshot) -> None:
     save_root = os.path.dirname(snap.directory)
     atomic_write(os.path.join(save_root, "latest"), os.path.basename(snap.directory) + "\n")
     if snap.keep_last:     # the one just written, and the newest keep_last - 1 others by step
-        others = [d for d in step_names(save_root) if d != os.path.basename(snap.directory)]
+        others = [d for d in step_names(save_root) if d != os.path.basename(snap.directory)
+                  and os.path.isdir(os.path.join(save_root, d))]     # never a user's file
         for old in others[:max(0, len(others) - (snap.keep_last - 1))]:
-            remove_checkpoint(os.path.join(save_root, old))
+            try:           # the save is complete and latest: a failed prune only warns
+                remove_checkpoint(os.path.join(save_root, old))
+            except OSError as e:
+                print(f"warning: checkpoint.keep_last={snap.keep_last}: could not remove "
+                      f"{os.path.join(save_root, old)} ({type(e).__name__}: {e}); remove it "
+                      f"by hand", file=sys.stderr, flush=True)
     for debris in glob.glob(os.path.join(save_root, "step_*.tmp")) + glob.glob(
             os.path.join(save_root, "step_*.deleting")):      # left by earlier crashes
         shutil.rmtree(debris, ignore_errors=True)
@@ -243,4 +252,7 @@ def remove_checkpoint(directory: str) -> None:
     """Rename first, so a crash mid-delete never leaves a partial dir under a real name."""
     trash = directory + ".deleting"
     os.rename(directory, trash)
-    shutil.rmtree(trash)
+    if os.path.isdir(trash):
+        shutil.rmtree(trash)
+    else:                  # a file someone put under a checkpoint's name
+        os.remove(trash)

@@ -63,7 +63,13 @@ def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) ->
     os.makedirs(run_dir, exist_ok=True)
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": argv, "overrides": overrides, "start_step": start_step}
-    with open(os.path.join(run_dir, "launches.jsonl"), "a") as f:
+    path = os.path.join(run_dir, "launches.jsonl")
+    with open(path, "a+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:             # a run killed mid-line: this record starts a line of its own
+            f.seek(f.tell() - 1)
+            ended = f.read(1) == "\n"
+            f.write("" if ended else "\n")
         f.write(json.dumps(record) + "\n")
 
 

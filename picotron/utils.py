@@ -128,7 +128,11 @@ class MetricsLog:
     says why; TensorBoard and W&B get the float itself.
 
     A resumed run keeps the records up to its first step (keep_until_step) and drops the
-    later ones, which the run is about to write again (TensorBoard hides them likewise)."""
+    later ones, which the run is about to write again (TensorBoard hides them likewise).
+
+    A write that fails (a full disk, a run directory moved or deleted) warns once and turns
+    that output off: the step lines still print every number, and training, which the
+    records only describe, goes on to its next checkpoint."""
 
     def __init__(self, path: str, enabled: bool, config=None, keep_until_step: int = 0):
         self.path, self.enabled, self.wandb, self.tensorboard = path, enabled, None, None
@@ -138,6 +142,12 @@ class MetricsLog:
             if keep_until_step and os.path.exists(path):
                 records, broken = read_records(path)
                 kept = [line for step, line in records if step <= keep_until_step]
+                last = max([step for step, _ in records if step <= keep_until_step] or [0])
+                if last < keep_until_step:
+                    print(f"warning: {path} holds no record of steps {last + 1}-"
+                          f"{keep_until_step} (a write that failed, or the file edited); the "
+                          f"resumed run writes from step {keep_until_step + 1} on",
+                          file=sys.stderr, flush=True)
                 if broken:      # a run killed while writing a line leaves half of one
                     print(f"warning: {path}: dropped {len(broken)} line(s) that are not a "
                           f"whole record (line {', '.join(map(str, broken[:5]))}; a run "
@@ -157,15 +167,33 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
+            except OSError as e:
+                self._warn_stopped(self.path, e, record["step"])
+                self.enabled = False
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
         if self.tensorboard is not None:
-            for name, value in record.items():
-                if name != "step" and type(value) in (int, float):   # not bools, not None
-                    self.tensorboard.add_scalar(name, value, record["step"])
-            self.tensorboard.flush()        # on disk at every step, as metrics.jsonl is
+            try:            # checked first: tensorboard's writer thread would print a traceback
+                if not os.path.isdir(self.tensorboard.log_dir):
+                    raise FileNotFoundError(f"no folder {self.tensorboard.log_dir}")
+                for name, value in record.items():
+                    if name != "step" and type(value) in (int, float):   # not bools or None
+                        self.tensorboard.add_scalar(name, value, record["step"])
+                self.tensorboard.flush()    # on disk at every step, as metrics.jsonl is
+            except OSError as e:
+                self._warn_stopped(self.tensorboard.log_dir, e, record["step"])
+                self.tensorboard = None
+
+    @staticmethod
+    def _warn_stopped(where: str, error: OSError, step: int) -> None:
+        print(f"warning: cannot write {where} at step {step} ({type(error).__name__}: "
+              f"{error}); it gets no more records this run, and training goes on (the step "
+              f"lines still print every number). Fix the cause (a full disk, a run directory "
+              f"moved or deleted) before the next checkpoint, which would stop the run",
+              file=sys.stderr, flush=True)
 
 
 def finite_or_null(value):

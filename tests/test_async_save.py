@@ -1,9 +1,11 @@
 """checkpoint.async_save, in one process: the files are written while training goes on, yet
 the checkpoint holds the step it was taken at (the same tensors and state a synchronous save
-writes) and resumes exactly; one save at a time; a writer's error surfaces at the next wait.
+writes) and resumes exactly; one save at a time; a writer's error surfaces at the next wait;
+a crash lets the save in flight finish; a failed prune of keep_last only warns.
 The 4-rank end-to-end run (train.py with async_save) is in tests/test_checkpoint_ranks.py."""
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -95,3 +97,53 @@ def test_a_failed_write_surfaces_at_the_next_wait_and_is_never_latest(tmp_path, 
     saver.save(model, opt, one_process_group(), config, root, 2, step_state(config, 2))
     saver.wait()
     assert resolve_checkpoint("latest", root, "/").endswith("step_000002")
+
+
+def test_a_crash_lets_the_save_in_flight_finish(tmp_path, monkeypatch, capsys):
+    """train.py calls finish_writing when a step raises (or on Ctrl-C): the checkpoint taken
+    before the crash is written, not abandoned with the daemon thread as the process ends."""
+    config = tiny_config()
+    model, grads, opt = build(config)
+    train_one(model, grads, opt, 1)
+    gate = threading.Event()
+    held_writer(monkeypatch, gate)
+    saver, root = CheckpointSaver(async_save=True), str(tmp_path / "checkpoints")
+    directory = saver.save(model, opt, one_process_group(), config, root, 1,
+                           step_state(config, 1))
+    threading.Timer(0.5, gate.set).start()   # the files are still being written at the crash
+    saver.finish_writing()
+    assert resolve_checkpoint("latest", root, "/") == directory
+    assert "in flight when the run stopped, is complete" in capsys.readouterr().err
+
+
+def test_a_save_whose_folder_is_removed_fails_at_once(tmp_path):
+    """Rank 0 waits for every rank's marker; with `<dir>.tmp` gone the other ranks cannot
+    even write one, so it says so at once instead of waiting distributed.timeout_s."""
+    snap = checkpoint_write.Snapshot(str(tmp_path / "step_000001"), rank=0, world=2,
+                                     keep_last=0, timeout_s=60.0)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="step_000001.tmp was removed while"):
+        checkpoint_write._finish(snap)
+    assert time.monotonic() - started < 5
+
+
+def test_keep_last_skips_a_file_and_a_failed_prune_only_warns(tmp_path, monkeypatch, capsys):
+    config = tiny_config()
+    config.checkpoint.keep_last = 1
+    model, grads, opt = build(config)
+    train_one(model, grads, opt, 1)
+    root = str(tmp_path / "checkpoints")
+    os.makedirs(root)
+    with open(os.path.join(root, "step_000000"), "w") as f:     # a user's file, by its name
+        f.write("notes")
+    saver = CheckpointSaver(async_save=False)
+    saver.save(model, opt, one_process_group(), config, root, 1, step_state(config, 1))
+    assert open(os.path.join(root, "step_000000")).read() == "notes"
+
+    def refuse(directory):
+        raise PermissionError(f"cannot remove {directory}")
+    monkeypatch.setattr(checkpoint_write, "remove_checkpoint", refuse)
+    saver.save(model, opt, one_process_group(), config, root, 2, step_state(config, 2))
+    assert resolve_checkpoint("latest", root, "/").endswith("step_000002")   # saved all the same
+    assert "could not remove" in capsys.readouterr().err
+    assert os.path.isdir(os.path.join(root, "step_000001"))

@@ -7,6 +7,7 @@ values a real run rarely shows (a NaN loss, an infinite gradient norm, an MFU)."
 import json
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -117,6 +118,30 @@ def test_a_resume_replaces_the_steps_it_writes_again_in_both(tmp_path):
     expected = {1: 1.0, 2: 2.0, 3: 13.0, 4: 14.0, 5: 15.0}
     assert {r["step"]: r["loss"] for r in strict_records(path)} == expected
     assert tensorboard_scalars(str(tmp_path))["loss"] == expected
+
+
+def test_a_write_that_fails_warns_once_and_training_goes_on(tmp_path, capsys):
+    """A run directory deleted mid-run (or a full disk): one warning per output, no traceback
+    (tensorboard's writer thread included), the later records dropped; a resume over the gap
+    says which steps have no record."""
+    config = Config()
+    config.logging.tensorboard = True
+    run = tmp_path / "run"
+    run.mkdir()
+    path = str(run / "metrics.jsonl")
+    log = MetricsLog(path, True, config)
+    log.write({"step": 1, "loss": 1.0})
+    shutil.rmtree(run)
+    for step in (2, 3, 4):
+        log.write({"step": step, "loss": float(step)})
+    err = capsys.readouterr().err
+    assert err.count("warning: cannot write") == 2 and "Traceback" not in err, err
+    assert f"{path} at step 2" in err and "tensorboard at step 2" in err
+    run.mkdir()
+    with open(path, "w") as f:
+        f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    MetricsLog(path, True, Config(), keep_until_step=3)
+    assert "holds no record of steps 2-3" in capsys.readouterr().err
 
 
 def test_tensorboard_missing_is_named_with_its_fix(tmp_path, monkeypatch):
