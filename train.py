@@ -18,7 +18,6 @@ from picotron.attention import resolve_attention
 from picotron.checkpoint import (CheckpointError, CheckpointSaver, SharedCheckpointError,
                                  check_new_run, resume, save_root)
 from picotron.config import ConfigError, MissingPackage, load_config
-from picotron.config_ranges import check_output_dirs
 from picotron.context_parallel import apply_context_parallel
 from picotron.data import DataError, StepBatches, build_train_val, data_state
 from picotron.data_parallel import GradBuckets, ShardedParams
@@ -27,6 +26,7 @@ from picotron.hf_io import load_hf_weights
 from picotron.loss import build_loss
 from picotron.memory_plan import check_memory
 from picotron.model import Decoder, materialize
+from picotron.output_paths import check_output_dirs
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
 from picotron.run_report import (data_warning, describe_run, exit_with_error, record_launch,

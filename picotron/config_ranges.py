@@ -1,5 +1,5 @@
-"""The allowed range of every number in the config, where its names point, and the folders a
-run writes to.
+"""The allowed range of every number in the config, where its names point, and whether a
+folder can be written.
 
 A value that no check looks at reaches torch as a traceback from deep inside (a NaN learning
 rate, adam_beta2 = 1, a hidden size of 0, a seed of 2^70) or, worse, trains silently wrong (a
@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from picotron.errors import ConfigError
 
 MAX_STEPS = 2 ** 40          # a million steps a second would take 35 years
 MAX_RANKS = 2 ** 16          # processes along one axis of the grid
@@ -186,40 +185,33 @@ def source_errors(config) -> list:
     return errors
 
 
-def check_output_dirs(config, run_dir: str) -> None:
-    """Refuse a run whose folders cannot be written (called once the run directory is known,
-    before anything is built): the run directory (metrics, launches), when checkpoints are
-    written checkpoint.save_dir, and dataset.cache_dir when it is set. Each must be a folder,
-    or be creatable in the nearest folder above it that exists, with no file in the way."""
-    c = config.checkpoint
-    folders = [("the run directory (logging.run_dir, else the config file's folder)", run_dir)]
-    if c.save_frequency or c.save_final:
-        folders.append(("checkpoint.save_dir", os.path.join(run_dir, c.save_dir)))
-    if config.dataset.cache_dir:        # token_cache.cache_dir: relative to the run directory
-        folders.append(("dataset.cache_dir", os.path.join(
-            run_dir, os.path.expanduser(config.dataset.cache_dir))))
-    problems = []
-    for what, folder in folders:
-        problem = unwritable(folder)
-        if problem:
-            problems.append(f"{what} '{folder}': {problem}")
-    if problems:
-        raise ConfigError("cannot write the run's outputs:\n  - " + "\n  - ".join(problems))
-
-
 def unwritable(folder: str) -> Optional[str]:
     """None when `folder` is (or can be made) a writable directory, else why not."""
+    existing, problem = _nearest_existing(folder)
+    if problem:
+        return problem
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == os.path.abspath(folder) else " (the part of the path that exists)"
+        return f"'{existing}'{where} is not writable by this user; choose another folder"
+    return None
+
+
+def not_a_folder(folder: str) -> Optional[str]:
+    """None when `folder` is (or could be made) a directory, else the file in its way."""
+    return _nearest_existing(folder)[1]
+
+
+def _nearest_existing(folder: str) -> tuple:
+    """(the nearest part of `folder` that exists, why it cannot hold the folder or None)."""
     folder = os.path.abspath(folder)
     existing = folder
-    while not os.path.lexists(existing):                   # the nearest part that exists
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     where = "" if existing == folder else " (the part of the path that exists)"
     if not os.path.isdir(existing):
-        return (f"'{existing}'{where} is not a folder (a file or a broken link); remove it or "
-                f"choose another folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"'{existing}'{where} is not writable by this user; choose another folder"
-    return None
+        return existing, (f"'{existing}'{where} is not a folder (a file or a broken link); "
+                          f"remove it or choose another folder")
+    return existing, None
 
 
 def byte_range_errors(config) -> list:

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from picotron.shards import sha256    # of a file, read in 4 MiB blocks
+from picotron.shards import readable_as_usual, sha256    # sha256 of a file
 
 FORMAT = "picotron-tokens-v1"
 # A tokenizer folder (often a model folder) is fingerprinted by every file in it but weights:
@@ -177,6 +177,7 @@ def remove_stale_temporaries(root: str, older_than_s: float = 86400.0) -> None:
 def _atomic_path(root: str, suffix: str) -> str:
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=suffix)
     os.close(fd)
+    readable_as_usual(tmp)     # mkstemp makes it 0600: others sharing the cache could not read
     return tmp
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from picotron import token_cache
+from picotron.config_ranges import unwritable
 from picotron.errors import DataError, SharedDataError
 from picotron.local_data import (FILE_BUILDERS, contents_problem, local_files, local_problem,
                                  saved_dataset)
@@ -186,6 +187,11 @@ def _tokenize_to_file(config, split: str, root: str) -> str:
         print(f"token cache hit for {d.name}:{split}: {meta['tokens']} tokens <- {path}",
               flush=True)
         return path
+    problem = unwritable(root)          # said now, not after the tokenizing (hours at scale)
+    if problem:
+        raise DataError(f"{d.name}:{split} is not in the token cache yet, and the cache "
+                        f"'{root}' cannot be written: {problem}; set dataset.cache_dir to a "
+                        f"writable folder")
     tokenizer = tokenizer or _checked_tokenizer(config, tokenizer_source(config))
     docs = docs if docs is not None else load_documents(d, split)
     eos, column = tokenizer.eos_token_id, d.text_column

@@ -57,14 +57,22 @@ def test_an_async_save_holds_its_step_byte_for_byte_and_resumes_exactly(tmp_path
     assert all(torch.equal(weights_of(model)[n], v) for n, v in weights_of(model2).items())
 
 
-def test_one_save_in_flight_the_next_waits_for_it(tmp_path, monkeypatch):
+def held_save_at_step_1(tmp_path, monkeypatch):
+    """One step trained, then an async save of it whose files wait for the returned gate:
+    (config, model, opt, saver, its save root, the checkpoint's directory, the gate)."""
     config = tiny_config()
     model, grads, opt = build(config)
     train_one(model, grads, opt, 1)
     gate = threading.Event()
     held_writer(monkeypatch, gate)
     saver, root = CheckpointSaver(async_save=True), str(tmp_path / "checkpoints")
-    saver.save(model, opt, one_process_group(), config, root, 1, step_state(config, 1))
+    directory = saver.save(model, opt, one_process_group(), config, root, 1,
+                           step_state(config, 1))
+    return config, model, opt, saver, root, directory, gate
+
+
+def test_one_save_in_flight_the_next_waits_for_it(tmp_path, monkeypatch):
+    config, model, opt, saver, root, _, gate = held_save_at_step_1(tmp_path, monkeypatch)
     second = threading.Thread(target=saver.save, args=(model, opt, one_process_group(), config,
                                                        root, 2, step_state(config, 2)))
     second.start()
@@ -102,14 +110,7 @@ def test_a_failed_write_surfaces_at_the_next_wait_and_is_never_latest(tmp_path, 
 def test_a_crash_lets_the_save_in_flight_finish(tmp_path, monkeypatch, capsys):
     """train.py calls finish_writing when a step raises (or on Ctrl-C): the checkpoint taken
     before the crash is written, not abandoned with the daemon thread as the process ends."""
-    config = tiny_config()
-    model, grads, opt = build(config)
-    train_one(model, grads, opt, 1)
-    gate = threading.Event()
-    held_writer(monkeypatch, gate)
-    saver, root = CheckpointSaver(async_save=True), str(tmp_path / "checkpoints")
-    directory = saver.save(model, opt, one_process_group(), config, root, 1,
-                           step_state(config, 1))
+    _, _, _, saver, root, directory, gate = held_save_at_step_1(tmp_path, monkeypatch)
     threading.Timer(0.5, gate.set).start()   # the files are still being written at the crash
     saver.finish_writing()
     assert resolve_checkpoint("latest", root, "/") == directory

@@ -13,7 +13,8 @@ import train
 from launch import write_config
 from picotron import config_ranges
 from picotron.config import Config, ConfigError, config_from_dict, load_config
-from picotron.config_ranges import CHECKED_WITH_THE_LAYOUT, RANGES, check_output_dirs
+from picotron.config_ranges import CHECKED_WITH_THE_LAYOUT, RANGES
+from picotron.output_paths import check_output_dirs
 
 NAN, INF = float("nan"), float("inf")
 
@@ -182,15 +183,40 @@ def test_output_folders_must_be_writable(tmp_path, monkeypatch):
     check_output_dirs(quiet, str(run))                # no checkpoint: save_dir is never used
     (run / "cache").write_text("")                    # a token cache folder that is a file
     cached = config_from_dict({"checkpoint": {"save_final": False},
-                               "dataset": {"cache_dir": "cache"}})
+                               "dataset": {"name": "org/data", "cache_dir": "cache"}})
     with pytest.raises(ConfigError, match="dataset.cache_dir .*cache' is not a folder"):
         check_output_dirs(cached, str(run))
+    check_output_dirs(config_from_dict({"checkpoint": {"save_final": False},   # not tokenized
+                                        "dataset": {"cache_dir": "cache"}}), str(run))
+    (tmp_path / "xdg").write_text("")                 # the default cache, behind a file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    default_cache = config_from_dict({"checkpoint": {"save_final": False},
+                                      "dataset": {"name": "org/data"}})
+    with pytest.raises(ConfigError, match="the token cache .*null.*xdg' .* is not a folder"):
+        check_output_dirs(default_cache, str(run))
+    monkeypatch.delenv("XDG_CACHE_HOME")
     # root may write anywhere, so a folder without write permission is played by os.access
     real = os.access
     monkeypatch.setattr(config_ranges.os, "access",
                         lambda p, mode: False if p == str(tmp_path) else real(p, mode))
     with pytest.raises(ConfigError, match="is not writable by this user"):
         check_output_dirs(quiet, str(tmp_path / "fresh"))
+
+
+def test_the_files_a_run_writes_must_not_be_folders(tmp_path):
+    """metrics.jsonl, launches.jsonl and the checkpoints' `latest`: a folder by one of these
+    names would stop the run at its first record or save (a resume would ignore `latest`)."""
+    run = tmp_path / "run"
+    for name in ("metrics.jsonl", "launches.jsonl", "checkpoints/latest"):
+        (run / name).mkdir(parents=True)
+    with pytest.raises(ConfigError) as refused:
+        check_output_dirs(config_from_dict({"checkpoint": {"save_frequency": 5}}), str(run))
+    for name in ("metrics.jsonl", "launches.jsonl", "latest"):
+        assert f"{name}' is a folder where the run writes a file" in str(refused.value)
+    assert "checkpoints beside it are not touched" in str(refused.value)
+    (run / "tensorboard").write_text("")
+    with pytest.raises(ConfigError, match="logging.tensorboard's folder .*not a folder"):
+        check_output_dirs(config_from_dict({"logging": {"tensorboard": True}}), str(run))
 
 
 def test_train_refuses_a_run_dir_behind_a_file_before_building(tmp_path):

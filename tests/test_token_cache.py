@@ -1,14 +1,18 @@
 """The token cache shared by runs: a second run on the same data and tokenizer loads neither;
-a changed file or tokenizer is a new entry; a damaged entry is found and rebuilt."""
+a changed file or tokenizer is a new entry; a damaged entry is found and rebuilt; a cache
+others share is readable by them, and one this user cannot write still serves its entries."""
 import json
 import os
 
 import pytest
 
+import picotron.config_ranges as config_ranges
 import picotron.tokenized_data as tokenized_data
 from tiny import documents, tiny_tokenizer
 from picotron import token_cache
 from picotron.config import Config
+from picotron.errors import DataError
+from picotron.shards import UMASK
 
 
 class Calls:
@@ -253,3 +257,26 @@ def test_the_cache_is_trimmed_to_its_cap_least_recently_used_first(tmp_path, cap
     assert order[1] in left
     out = capsys.readouterr().out
     assert "over dataset.cache_max_gb" in out
+
+
+def test_a_read_only_cache_serves_its_entries_and_refuses_a_miss_before_tokenizing(
+        tmp_path, monkeypatch):
+    """A cache another user filled: its entries read as usual (mode 0666 less the umask, not
+    mkstemp's 0600, so that they can be); a miss there is refused before the tokenizing,
+    naming dataset.cache_dir, instead of failing at the write after it."""
+    calls = Calls(monkeypatch)
+    source = write_jsonl(tmp_path / "docs.jsonl", documents(20))
+    shared = str(tmp_path / "shared")
+    first = tokens(config_for(source, "byte", shared), tmp_path / "run")
+    for name in entries(shared):
+        assert os.stat(os.path.join(shared, name)).st_mode & 0o777 == 0o666 & ~UMASK, name
+    real = os.access        # root writes anywhere: the read-only folder is played by os.access
+    monkeypatch.setattr(config_ranges.os, "access",
+                        lambda p, mode: False if p == shared else real(p, mode))
+    calls.reset()
+    assert tokens(config_for(source, "byte", shared), tmp_path / "run") == first
+    other = write_jsonl(tmp_path / "other.jsonl", documents(5))
+    with pytest.raises(DataError, match="not in the token cache yet, and the cache .*shared' "
+                                        "cannot be written: .*set dataset.cache_dir"):
+        tokens(config_for(other, "byte", shared), tmp_path / "run")
+    assert calls.documents == 0
