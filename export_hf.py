@@ -6,6 +6,8 @@ The directory then loads with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`. `--checkpoint` may also be a checkpoints folder (its latest
 complete checkpoint is used). A Llama-style model exports as LlamaForCausalLM, a PaLM-style
 one (parallel_residual with layernorm) as CohereForCausalLM (picotron/hf_cohere.py).
+`--out` may hold an earlier export, which is replaced; any other non-empty folder, such as a
+downloaded model, is refused and left as it was (picotron/export_dir.py).
 """
 import argparse
 import os
@@ -14,7 +16,8 @@ import sys
 from picotron.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
 from picotron.data import DataError
-from picotron.hf_io import ExportError, check_export_dir, export_hf
+from picotron.export_dir import ExportError, check_export_dir
+from picotron.hf_io import export_hf
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "latest complete checkpoint), e.g. tmp/debug/checkpoints")
     p.add_argument("--out", type=os.path.expanduser, required=True,
                    help="the Hugging Face model directory to write (config.json, "
-                        "model.safetensors, the tokenizer's files): new, empty, or an earlier "
-                        "export, never a directory of other files; e.g. tmp/debug-hf")
+                        "model.safetensors, the tokenizer's files, picotron_export.json): new, "
+                        "empty, or an earlier export (which it replaces), never a folder of "
+                        "other files such as a downloaded model; e.g. tmp/debug-hf")
     p.add_argument("--tokenizer", type=os.path.expanduser,
                    help="a tokenizer (hub id or directory) to ship instead of the run's own "
                         "(default: the run's: byte-level, or the one it trained with)")

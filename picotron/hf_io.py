@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from picotron import hf_cohere
 from picotron.checkpoint_verify import STATE_FILE
-from picotron.config_ranges import unwritable
+from picotron.export_dir import check_export_dir, export_staging
 from picotron.shards import (CheckpointError, SharedCheckpointError, checkpoint_config,
                              index_shards, load_full_weights, read_slice, readable_as_usual,
                              slice_bounds)
@@ -144,47 +144,12 @@ def hf_config(model: dict, dtype: str, bos, eos) -> dict:
             "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype, "use_cache": True}
 
 
-class ExportError(ValueError):
-    """An export directory whose files the export would overwrite."""
-
-
-def check_export_dir(out_dir: str) -> None:
-    """An export writes config.json, model.safetensors and the tokenizer's files: into a new or
-    empty directory, or over an earlier export (a config.json with a `model_type`), never over
-    anything else, such as a run's own config.json or its checkpoints."""
-    if not out_dir.strip():
-        raise ExportError("the export directory is an empty string; give a directory to "
-                          "create, e.g. --out tmp/debug-hf")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ExportError(f"the export directory '{out_dir}' is a file; give a directory "
-                          f"to create, e.g. tmp/debug-hf")
-    problem = unwritable(out_dir)
-    if problem:
-        raise ExportError(f"cannot write the export directory '{out_dir}': {problem}")
-    present = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-    if not present:
-        return
-    try:
-        with open(os.path.join(out_dir, "config.json")) as f:
-            earlier = json.load(f)
-    except (OSError, ValueError):
-        earlier = None
-    if not (isinstance(earlier, dict) and "model_type" in earlier):
-        raise ExportError(f"the export directory '{out_dir}' already holds files that are not "
-                          f"a Hugging Face export ({', '.join(present[:4])}"
-                          f"{', ...' if len(present) > 4 else ''}), which the export would "
-                          f"overwrite; give a new or empty directory, e.g. "
-                          f"'{out_dir.rstrip(os.sep)}-hf'")
-
-
 def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` and
     `AutoTokenizer.from_pretrained(out_dir)` load the checkpoint's model and tokenizer.
-    Refused (ExportError) where it would overwrite other files (check_export_dir)."""
-    from safetensors.torch import save_file
-
-    from picotron.tokenizer import (check_fits, load_tokenizer, save_byte_tokenizer,
-                                    tokenizer_source)
+    Refused (ExportError) where it would overwrite other files; over an earlier export it
+    removes what that one wrote and this one does not (picotron/export_dir.py)."""
+    from picotron.tokenizer import check_fits, load_tokenizer, tokenizer_source
     check_export_dir(out_dir)
     config = checkpoint_config(checkpoint_dir)
     m = config.model
@@ -197,20 +162,30 @@ def export_hf(checkpoint_dir: str, out_dir: str, tokenizer: str = None) -> str:
     loaded = load_tokenizer(source, "give --tokenizer")
     check_fits(loaded, m.vocab_size)
     tok = None if source == "byte" else loaded.tok
-    os.makedirs(out_dir, exist_ok=True)
+    with export_staging(out_dir) as staging:
+        _write_export(staging, config, weights, tok)
+    return out_dir
+
+
+def _write_export(folder: str, config, weights: dict, tok) -> None:
+    """The export's files: the tokenizer's (`tok` None: byte-level), model.safetensors,
+    config.json and generation_config.json."""
+    from safetensors.torch import save_file
+
+    from picotron.tokenizer import save_byte_tokenizer
+    m = config.model
     if tok is None:
-        save_byte_tokenizer(out_dir)
+        save_byte_tokenizer(folder)
         bos, eos = None, 0
     else:
-        tok.save_pretrained(out_dir)
+        tok.save_pretrained(folder)
         bos, eos = tok.bos_token_id, tok.eos_token_id
     dtype = str(next(iter(weights.values())).dtype).replace("torch.", "")
     save_file({hf_name(n): t.contiguous() for n, t in weights.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    readable_as_usual(os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    readable_as_usual(os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
         write_config = hf_cohere.cohere_config if hf_cohere.is_palm_style(m) else hf_config
         json.dump(write_config(config.to_dict()["model"], dtype, bos, eos), f, indent=2)
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
-    return out_dir
