@@ -1,9 +1,10 @@
 """Write a run's config: `python create_config.py --out_dir tmp --exp_name NAME --dp 2 ...`.
 
 Takes picotron's flags, plus `--set section.key=value` for any other key of the config
-(repeatable; the value is read as JSON when it parses, else as a string). The config is built
-and validated through picotron.config before anything is written, so a bad combination is
-refused here, not at step 3 of a run. Prints the path of the written config. With `--slurm
+(repeatable; the value is read as JSON when it parses, else as a string; a key given twice, by
+a flag and a `--set` or by two `--set`, is refused). The config is built and validated through
+picotron.config before anything is written, so a bad combination is refused here, not at step
+3 of a run. Prints the path of the written config. With `--slurm
 --nodes N --gpus_per_node G --partition P --time T` it also writes `slurm.sh` beside it, a
 batch script for several nodes (picotron/slurm.py).
 """
@@ -127,11 +128,15 @@ def build_config_dict(args) -> dict:
     raw["model"].update(resolved)
     if args.use_cpu:                   # fp32 on CPU: the precision parity tests rely on
         raw["training"]["dtype"] = "float32"
+    set_by_flags = {}                  # a flag not given is None: only given ones count
     for flag, (section, key) in FLAG_KEYS.items():
         value = getattr(args, flag)
         if value is not None:
             raw[section][key] = value
-    apply_overrides(raw, args.set)     # unknown keys are caught by config_from_dict
+            set_by_flags[f"{section}.{key}"] = f"--{flag}" if value is True else \
+                f"--{flag} {value}"
+    # unknown keys are caught by config_from_dict; a key also set by a flag is refused here
+    apply_overrides(raw, args.set, set_by_flags)
     # A Hugging Face checkpoint as --model_name: start from its weights, unless a flag changed
     # the architecture (then its weights cannot fit: train from scratch, and say so).
     weights = pretrained_weights(args.model_name)

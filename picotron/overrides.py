@@ -8,7 +8,9 @@ the config file it reads, so a run can be resumed or varied without editing the 
 
 The value is read as JSON when it parses (`10`, `1e-4`, `true`, `null`, `"8"`), else as a
 string (`--set dataset.name=synthetic`). The result is validated like any config, so a typo
-in a key or a value of the wrong type is refused with the same message as in a file.
+in a key or a value of the wrong type is refused with the same message as in a file. A key set
+twice on one command line (two `--set`, or a flag of create_config.py and a `--set`) is
+refused: the last would silently win.
 """
 import json
 
@@ -32,11 +34,19 @@ def parse_override(item: str) -> tuple:
     return section, key, value
 
 
-def apply_overrides(raw: dict, items: list) -> dict:
+def apply_overrides(raw: dict, items: list, set_by_flags: dict = None) -> dict:
     """Apply each `--set` item to the config dict `raw` (in place; also returned). An
-    unknown section is refused here; an unknown key or a bad value by the config's checks."""
+    unknown section is refused here; an unknown key or a bad value by the config's checks.
+    `set_by_flags`: {'section.key': the flag that set it on this command line, e.g. '--seed 1'};
+    a key given twice, by two items or by a flag and an item, is refused."""
+    given = dict(set_by_flags or {})
     for item in items:
         section, key, value = parse_override(item)
+        name = f"{section}.{key}"
+        if name in given:
+            raise ConfigError(f"'{name}' is given twice, by {given[name]} and by --set "
+                              f"{item!r}; the last would silently win: keep one of them")
+        given[name] = f"--set {item!r}"
         if not isinstance(raw.get(section, {}), dict):
             raise ConfigError(f"--set {item!r}: '{section}' in the config is not a section")
         if section not in raw and section not in SECTIONS:
