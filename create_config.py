@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and tokenizer (for a config written here to run on another machine)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="set any config key (repeatable; README's config reference lists "
-                        "them), the value read as JSON when it parses, e.g. --set "
+                        "them), the value read as JSON when it parses (a text key takes a "
+                        "number as typed: logging.run_name=2024), e.g. --set "
                         "training.warmup_steps=10 --set dataset.tokenizer=gpt2")
     add_slurm_flags(p)                 # --slurm --nodes --gpus_per_node ... (picotron/slurm.py)
     return p

@@ -7,17 +7,32 @@ the config file it reads, so a run can be resumed or varied without editing the 
         --set checkpoint.load_path=latest --set training.total_train_steps=400
 
 The value is read as JSON when it parses (`10`, `1e-4`, `true`, `null`, `"8"`), else as a
-string (`--set dataset.name=synthetic`). The result is validated like any config, so a typo
-in a key or a value of the wrong type is refused with the same message as in a file. A key set
-twice on one command line (two `--set`, or a flag of create_config.py and a `--set`) is
-refused: the last would silently win.
+string (`--set dataset.name=synthetic`); a key that takes only text takes a number or
+true/false as written (`--set logging.run_name=2024` names the run "2024"). The result is
+validated like any config, so a typo in a key or a value of the wrong type is refused with the
+same message as in a file. A key set twice on one command line (two `--set`, or a flag of
+create_config.py and a `--set`) is refused: the last would silently win.
 """
 import json
+import typing
 
+from picotron.config_sections import (CheckpointConfig, DatasetConfig, DistributedConfig,
+                                      LoggingConfig, ModelConfig, TrainingConfig)
 from picotron.errors import ConfigError
 
-# The config's sections (picotron/config.py's Config, which imports this module).
-SECTIONS = ("distributed", "model", "training", "dataset", "checkpoint", "logging")
+# The config's sections and their types (picotron/config.py's Config, which imports this
+# module, holds one of each).
+SECTION_TYPES = {"distributed": DistributedConfig, "model": ModelConfig,
+                 "training": TrainingConfig, "dataset": DatasetConfig,
+                 "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+SECTIONS = tuple(SECTION_TYPES)
+
+
+def _takes_only_text(section: str, key: str) -> bool:
+    """True for a key typed str or Optional[str] (logging.run_name, dataset.subset_name)."""
+    if section not in SECTION_TYPES:
+        return False
+    return typing.get_type_hints(SECTION_TYPES[section]).get(key) in (str, typing.Optional[str])
 
 
 def parse_override(item: str) -> tuple:
@@ -31,6 +46,10 @@ def parse_override(item: str) -> tuple:
         value = json.loads(text)
     except json.JSONDecodeError:
         value = text                   # a bare string: --set dataset.name=synthetic
+    # JSON reads `2024` or `true` as a number or a bool, which a text key refuses: the text
+    # as typed is what was meant
+    if isinstance(value, (int, float)) and _takes_only_text(section, key):
+        value = text
     return section, key, value
 
 

@@ -1,5 +1,6 @@
 """`--set section.key=value` on the command line (picotron/overrides.py): a key given twice is
-refused, not silently taken from the last."""
+refused, not silently taken from the last; a text key takes a number or true/false as the
+text typed."""
 import json
 
 import pytest
@@ -46,3 +47,26 @@ def test_train_refuses_two_sets_of_one_key(tmp_path):
                                           r"'training.seed=1' and by --set 'training.seed=2'"):
         load_config(path, overrides=["training.seed=1", "training.seed=2"])
     load_config(path, overrides=["training.seed=1", "training.warmup_steps=2"])
+
+
+@pytest.mark.parametrize("typed,text", [("2024", "2024"), ("1e3", "1e3"), ("true", "true"),
+                                        ('"2024"', "2024"), ("run-7", "run-7")])
+def test_a_text_key_takes_a_number_as_typed(tmp_path, typed, text):
+    path = write_config(tmp_path, "named", BASE + ["--set", f"logging.run_name={typed}",
+                                                   "--set", f"dataset.subset_name={typed}"])
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["logging"]["run_name"] == text and saved["dataset"]["subset_name"] == text
+    config = load_config(path, overrides=[f"logging.run_name={typed}"])
+    assert config.logging.run_name == text
+    assert load_config(path, overrides=["logging.run_name=null"]).logging.run_name is None
+
+
+def test_other_keys_still_read_json(tmp_path):
+    """Numbers stay numbers where the key takes one (cuda_graphs takes true/false or a word),
+    and a quoted number for a number key is still refused."""
+    path = write_config(tmp_path, "typed", BASE)
+    config = load_config(path, overrides=["training.seed=7", "training.cuda_graphs=false"])
+    assert config.training.seed == 7 and config.training.cuda_graphs is False
+    with pytest.raises(ConfigError, match="'training.seed' must be int"):
+        load_config(path, overrides=['training.seed="7"'])
