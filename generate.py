@@ -69,10 +69,10 @@ def main(argv=None):
         fix = "give --tokenizer"         # a checkpoint's saved settings cannot be changed
         tokenizer = load_tokenizer(args.tokenizer or tokenizer_source(config, fix), fix)
         check_fits(tokenizer, config.model.vocab_size)
+        prompt = torch.tensor(tokenizer.encode(args.prompt), dtype=torch.long)
     except (CheckpointError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    prompt = torch.tensor(tokenizer.encode(args.prompt), dtype=torch.long)
     if len(prompt) == 0:         # an empty prompt starts after an end of document
         prompt = torch.tensor([tokenizer.eos_token_id])
     out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k,

@@ -18,6 +18,19 @@ class TokenizerError(DataError):
     """A tokenizer that cannot be loaded or does not fit the model."""
 
 
+def not_unicode(name: str, text: str, error: UnicodeEncodeError) -> TokenizerError:
+    """A text holding lone surrogates, which is what Python makes of bytes that are not UTF-8
+    on a command line (a shell's $'\\xff'): no Unicode text, so no tokenizer of text takes it."""
+    bad = text[error.start:error.end]
+    try:                                    # the bytes the user typed, as b'\xff\xfe'
+        shown = f"the bytes {bad.encode('utf-8', 'surrogateescape')!r}"
+    except UnicodeEncodeError:              # made in Python, not read from bytes
+        shown = f"the lone surrogate {bad!r}"
+    return TokenizerError(f"the text to encode is not UTF-8: {shown} at character "
+                          f"{error.start}; tokenizer '{name}' takes UTF-8 text only: give "
+                          f"the text as UTF-8")
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids. EOS is byte 0, which plain text never contains."""
     eos_token_id = 0
@@ -25,7 +38,12 @@ class ByteTokenizer:
     name = "byte"
 
     def encode(self, text: str) -> list:
-        return list(text.encode("utf-8"))
+        # Bytes of a command line that are not UTF-8 reach Python as the surrogates
+        # U+DC80..U+DCFF (surrogateescape): turned back into those bytes, which are tokens here.
+        try:
+            return list(text.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError as e:      # another lone surrogate: no byte stands for it
+            raise not_unicode(self.name, text, e) from None
 
     def batch_encode(self, texts) -> list:
         return [self.encode(t) for t in texts]
@@ -47,6 +65,10 @@ class HFTokenizer:
                                  f"documents; pick a tokenizer that defines eos_token")
 
     def encode(self, text: str) -> list:
+        try:        # the tokenizers library refuses surrogates with a TypeError naming no text
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise not_unicode(self.name, text, e) from None
         # No BOS/EOS from the tokenizer: packing puts exactly one EOS after each document.
         return self.tok(text, add_special_tokens=False)["input_ids"]
 

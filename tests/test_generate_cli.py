@@ -1,0 +1,49 @@
+"""generate.py's command line on a tiny checkpoint: what it samples, and the one clear error
+it gives for input it cannot use (tests/test_hf_io.py checks the sampling options' ranges)."""
+import pytest
+
+import generate
+from picotron.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
+from checkpoint_helpers import build, save_at, tiny_config, train_one
+from tiny import documents, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> str:
+    """A checkpoints folder holding one checkpoint of a tiny run (read, never changed)."""
+    root = str(tmp_path_factory.mktemp("run") / "checkpoints")
+    config = tiny_config()
+    model, grads, opt = build(config)
+    train_one(model, grads, opt, 1)
+    save_at(model, opt, config, root, 1)
+    return root
+
+
+def run_generate(args: list, capsys) -> tuple:
+    """(exit code, stdout, stderr) of `python generate.py ARGS`."""
+    try:
+        generate.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8(checkpoints, tmp_path, capsys):
+    """A shell's $'\\xff\\xfe' reaches Python as the surrogates U+DCFF U+DCFE: the byte
+    tokenizer keeps the bytes typed, a Hugging Face one refuses the prompt by name."""
+    root = checkpoints
+    assert ByteTokenizer().encode("a\udcff\udcfe") == [97, 255, 254]
+    with pytest.raises(TokenizerError, match="the lone surrogate '\\\\ud800' at character 1"):
+        ByteTokenizer().encode("a\ud800")
+    code, out, err = run_generate(["--checkpoint", root, "--prompt", "\udcff\udcfe",
+                                   "--max_new_tokens", "2"], capsys)
+    assert code == 0 and out, err
+    hf = tiny_tokenizer(str(tmp_path / "tok"), documents(20), vocab_size=120)
+    assert load_tokenizer(hf).encode("doc") != []
+    code, out, err = run_generate(["--checkpoint", root, "--prompt", "\udcff\udcfe",
+                                   "--tokenizer", hf, "--max_new_tokens", "2"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.startswith("error: the text to encode is not UTF-8: the bytes b'\\xff\\xfe' at "
+                          "character 0; tokenizer"), err
