@@ -42,6 +42,16 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits (B, V) / temperature, finite for any temperature > 0, so that a tiny one samples
+    like greedy. The row's max is subtracted first: the likeliest token gets 0 and the others
+    a negative number, which a tiny temperature sends to -inf (probability 0) instead of
+    overflowing to inf - inf = NaN in the softmax. In fp64: a temperature below fp32's
+    smallest number (1e-45) would be 0 there, and 0 / 0 is NaN."""
+    logits = logits.double()
+    return (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+
+
 @torch.no_grad()
 def sample(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int = 0, eos_token_id: int = None, generator: torch.Generator = None,
@@ -56,7 +66,7 @@ def sample(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float 
         if temperature == 0:
             token = logits.argmax(-1, keepdim=True)                      # (1, 1)
         else:
-            probs = torch.softmax(filter_top_k(logits, top_k) / temperature, dim=-1)
+            probs = torch.softmax(scaled_logits(filter_top_k(logits, top_k), temperature), -1)
             token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
         seq = torch.cat([seq, token], dim=1)
         if eos_token_id is not None and token.item() == eos_token_id:

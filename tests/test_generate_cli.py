@@ -1,8 +1,11 @@
 """generate.py's command line on a tiny checkpoint: what it samples, and the one clear error
 it gives for input it cannot use (tests/test_hf_io.py checks the sampling options' ranges)."""
 import pytest
+import torch
 
 import generate
+from picotron.checkpoint import checkpoint_to_read
+from picotron.generate import load_for_inference, sample
 from picotron.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from checkpoint_helpers import build, save_at, tiny_config, train_one
 from tiny import documents, tiny_tokenizer
@@ -47,3 +50,14 @@ def test_a_prompt_of_bytes_that_are_not_utf8(checkpoints, tmp_path, capsys):
     assert code == 2 and "Traceback" not in err, err
     assert err.startswith("error: the text to encode is not UTF-8: the bytes b'\\xff\\xfe' at "
                           "character 0; tokenizer"), err
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_like_greedy(checkpoints, temperature):
+    """logits / 1e-40 overflow fp32 and made the softmax NaN; a tiny temperature is greedy."""
+    model, _ = load_for_inference(checkpoint_to_read(checkpoints))
+    prompt = torch.tensor([100, 101, 102])
+    greedy = sample(model, prompt, 12, temperature=0)
+    tiny = sample(model, prompt, 12, temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiny, greedy)
+    assert len(set(greedy[3:].tolist())) > 1        # the logits change from step to step
