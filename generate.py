@@ -59,6 +59,9 @@ def main(argv=None):
         device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device!r} is not a device; give cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):      # meta, mps, ...: no kernels or data here
+        parser.error(f"--device {args.device}: generate.py runs on cpu or cuda (cuda:N) "
+                     f"only; give one of them")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device} needs a CUDA GPU, and none is visible; give cpu")
     if args.device == "cpu":

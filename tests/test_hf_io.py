@@ -254,7 +254,8 @@ BAD_SAMPLING = [("--top_k", "-1", "--top_k -1 must be a finite number >= 0"),
                 ("--temperature", "-0.5", "--temperature -0.5 must be"),
                 ("--temperature", "nan", "--temperature nan must be"),
                 ("--max_new_tokens", "-3", "--max_new_tokens -3 must be"),
-                ("--device", "foo", "--device 'foo' is not a device")]
+                ("--device", "foo", "--device 'foo' is not a device"),
+                ("--device", "meta", "--device meta: generate.py runs on cpu or cuda")]
 if not torch.cuda.is_available():        # where a GPU is visible, cuda:0 is a good device
     BAD_SAMPLING.append(("--device", "cuda:0", "needs a CUDA GPU, and none is visible"))
 
