@@ -5,7 +5,8 @@
 
 `--checkpoint` is a step_* directory or a checkpoints folder (its latest checkpoint). The
 tokenizer is the run's (byte-level, or the Hugging Face one it trained with). No KV cache:
-each token re-runs the model over the whole text (see picotron/generate.py).
+each token re-runs the model over the whole text (see picotron/generate.py). A text longer than
+the run's training.seq_length is warned of: the model never saw positions past it.
 """
 import argparse
 import os
@@ -48,6 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def warn_past_trained_windows(prompt_tokens: int, max_new_tokens: int, config) -> None:
+    """The context is cropped at model.max_position_embeddings, what RoPE's tables hold, but
+    the model only ever read training.seq_length tokens at once: past them its text may
+    degrade, and nothing else would say why. The last new token is predicted from all the
+    tokens before it, so the model reads at most prompt + max_new_tokens - 1."""
+    trained, longest = config.training.seq_length, config.model.max_position_embeddings
+    reads = min(prompt_tokens + max_new_tokens - 1, longest)
+    if reads > trained:
+        print(f"warning: the prompt ({prompt_tokens} tokens) and --max_new_tokens "
+              f"{max_new_tokens} make the model read up to {reads} tokens, but it was trained "
+              f"on {trained}-token windows (training.seq_length): positions past {trained} "
+              f"were never trained, and the text there may degrade (the context is cropped "
+              f"at model.max_position_embeddings={longest})", file=sys.stderr)
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -78,6 +94,7 @@ def main(argv=None):
         sys.exit(2)
     if len(prompt) == 0:         # an empty prompt starts after an end of document
         prompt = torch.tensor([tokenizer.eos_token_id])
+    warn_past_trained_windows(len(prompt), args.max_new_tokens, config)
     out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
                  tokenizer.eos_token_id, torch.Generator().manual_seed(args.seed),
                  config.model.max_position_embeddings)

@@ -61,3 +61,23 @@ def test_a_tiny_temperature_samples_like_greedy(checkpoints, temperature):
     tiny = sample(model, prompt, 12, temperature, generator=torch.Generator().manual_seed(0))
     assert torch.equal(tiny, greedy)
     assert len(set(greedy[3:].tolist())) > 1        # the logits change from step to step
+
+
+def test_sampling_past_the_trained_windows_is_warned_of_once(checkpoints, capsys):
+    """The model read training.seq_length tokens at once in training (the tiny run's 256):
+    reading more uses positions it never trained, which is said once; the context is still
+    cropped at model.max_position_embeddings."""
+    config = load_for_inference(checkpoint_to_read(checkpoints))[1]
+    generate.warn_past_trained_windows(2, 255, config)          # reads 256 tokens at most
+    assert capsys.readouterr().err == ""
+    generate.warn_past_trained_windows(2, 5000, config)
+    assert "read up to 2048 tokens, but it was trained on 256-token windows" in \
+        capsys.readouterr().err
+    code, out, err = run_generate(["--checkpoint", checkpoints, "--prompt", "a" * 255,
+                                   "--max_new_tokens", "3", "--temperature", "0"], capsys)
+    assert code == 0 and out, err
+    assert err.count("warning:") == 1, err
+    assert err.startswith("warning: the prompt (255 tokens) and --max_new_tokens 3 make the "
+                          "model read up to 257 tokens, but it was trained on 256-token "
+                          "windows (training.seq_length): positions past 256 were never "
+                          "trained"), err
