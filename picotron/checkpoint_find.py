@@ -10,6 +10,7 @@ are the same on every rank (SharedCheckpointError: said once).
 `checkpoint_to_read` is what generate.py and export_hf.py read.
 """
 import os
+import re
 import sys
 
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from picotron.checkpoint_verify import (STATE_FILE, directory_problems, latest_w
                                         step_names)
 from picotron.errors import ConfigError
 from picotron.shards import SharedCheckpointError
+
+UNFINISHED_SAVE = re.compile(r"step_\d+\.tmp")    # a save's folder until its final rename
 
 
 def complete_checkpoints(save_root: str) -> list:
@@ -125,10 +128,33 @@ def resolve_checkpoint(load_path: str, save_root: str, run_dir: str):
     return find_checkpoint(load_path, save_root, run_dir)[0]
 
 
+def unfinished_saves(save_root: str) -> list:
+    """The step_N.tmp directory names under save_root: saves killed before their rename to
+    step_N (picotron/checkpoint_write.py), so never a checkpoint, whatever they hold."""
+    if not os.path.isdir(save_root):
+        return []
+    return sorted(d for d in os.listdir(save_root) if UNFINISHED_SAVE.fullmatch(d))
+
+
+def _unfinished_save_error(path: str) -> SharedCheckpointError:
+    """`path`, a step_N.tmp directory, named as what it is, with the checkpoints beside it."""
+    parent = os.path.dirname(os.path.normpath(path))
+    complete = complete_checkpoints(parent or ".")
+    if complete:
+        newest = complete[-1] + (f", the newest of {len(complete)}" if len(complete) > 1 else "")
+        fix = f"give a complete checkpoint beside it instead: {newest}"
+    else:
+        fix = "there is no complete checkpoint beside it; resume the run to write one"
+    return SharedCheckpointError(f"'{path}' is an unfinished save (its run was killed while "
+                                 f"writing it), not a checkpoint; {fix}")
+
+
 def checkpoint_to_read(path: str) -> str:
     """The verified step directory that `path` names for generate.py and export_hf.py: a step_*
     directory itself (refused if any file is missing, unlisted or damaged), or a checkpoints
     folder's latest valid checkpoint (bad newer ones skipped and named)."""
+    if UNFINISHED_SAVE.fullmatch(os.path.basename(os.path.normpath(path))):
+        raise _unfinished_save_error(path)
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         return find_checkpoint(os.path.abspath(path), path, ".")[0]
     found = resolve_checkpoint("latest", path, ".")
@@ -137,6 +163,11 @@ def checkpoint_to_read(path: str) -> str:
     if found is None and folders:                     # a run directory: its checkpoints
         raise SharedCheckpointError(f"'{path}' is a run directory, not a checkpoint; give "
                                     f"its checkpoints folder ({folders[0]}) or one of them")
+    unfinished = unfinished_saves(path)
+    if found is None and unfinished:
+        raise SharedCheckpointError(f"'{path}' holds no complete checkpoint, only unfinished "
+                                    f"saves ({', '.join(unfinished)}: their run was killed "
+                                    f"while writing them); resume the run to write one")
     if found is None:
         raise SharedCheckpointError(f"'{path}' is neither a checkpoint (a step_* directory "
                                     f"with a {STATE_FILE}) nor a folder of them; give e.g. "

@@ -1,10 +1,13 @@
 """generate.py's command line on a tiny checkpoint: what it samples, and the one clear error
 it gives for input it cannot use (tests/test_hf_io.py checks the sampling options' ranges)."""
+import os
+import shutil
+
 import pytest
 import torch
 
 import generate
-from picotron.checkpoint import checkpoint_to_read
+from picotron.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.generate import load_for_inference, sample
 from picotron.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from checkpoint_helpers import build, save_at, tiny_config, train_one
@@ -13,12 +16,14 @@ from tiny import documents, tiny_tokenizer
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> str:
-    """A checkpoints folder holding one checkpoint of a tiny run (read, never changed)."""
+    """A checkpoints folder holding a tiny run's checkpoints of steps 1 and 2 (never changed:
+    a test that adds to it works on a copy)."""
     root = str(tmp_path_factory.mktemp("run") / "checkpoints")
     config = tiny_config()
     model, grads, opt = build(config)
-    train_one(model, grads, opt, 1)
-    save_at(model, opt, config, root, 1)
+    for step in (1, 2):
+        train_one(model, grads, opt, step)
+        save_at(model, opt, config, root, step)
     return root
 
 
@@ -81,3 +86,27 @@ def test_sampling_past_the_trained_windows_is_warned_of_once(checkpoints, capsys
                           "model read up to 257 tokens, but it was trained on 256-token "
                           "windows (training.seq_length): positions past 256 were never "
                           "trained"), err
+
+
+def test_an_unfinished_save_is_named_with_the_checkpoints_beside_it(checkpoints, tmp_path,
+                                                                    capsys):
+    """A save killed while writing leaves step_N.tmp (renamed to step_N only once whole):
+    named as such, even when it already holds a state.json, with the checkpoint to give."""
+    root = str(tmp_path / "checkpoints")
+    shutil.copytree(checkpoints, root)
+    unfinished = os.path.join(root, "step_000003.tmp")
+    shutil.copytree(os.path.join(root, "step_000002"), unfinished)
+    code, out, err = run_generate(["--checkpoint", unfinished, "--max_new_tokens", "2"],
+                                  capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert err == (f"error: '{unfinished}' is an unfinished save (its run was killed while "
+                   f"writing it), not a checkpoint; give a complete checkpoint beside it "
+                   f"instead: {os.path.join(root, 'step_000002')}, the newest of 2\n"), err
+    assert checkpoint_to_read(root) == os.path.join(root, "step_000002")   # .tmp: not seen
+    only = tmp_path / "only" / "checkpoints"
+    shutil.copytree(unfinished, only / "step_000001.tmp")
+    with pytest.raises(CheckpointError, match="no complete checkpoint beside it; resume"):
+        checkpoint_to_read(str(only / "step_000001.tmp"))
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint, only unfinished "
+                                              "saves \\(step_000001.tmp: their run was killed"):
+        checkpoint_to_read(str(only))
