@@ -40,9 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def text_lines(path: str) -> list:
+    """(line number, line) of each line of `path` that is not blank. train.py writes ASCII
+    JSON, so bytes that are not UTF-8 mean another kind of file (an image, an archive)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError as e:
+        raise PlotError(f"{path} is not text ({e.reason}: its bytes are not UTF-8), so not "
+                        f"a metrics.jsonl written by train.py; give a run directory or its "
+                        f"metrics.jsonl") from None
+
+
 def read_metrics(run: str) -> tuple:
     """(step records, validation records) of a run directory or a metrics.jsonl file.
-    Non-finite values are null in the file (picotron.utils.MetricsLog): read as NaN."""
+    Non-finite values are null in the file (picotron.utils.MetricsLog): read as NaN. A last
+    line that is not whole JSON (a run killed while writing it, or still writing) is dropped
+    with a warning, as train.py's resume drops it (picotron.utils.read_records)."""
     path = run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
         what = "is not a directory" if not os.path.isdir(run) else "has no metrics.jsonl"
@@ -50,29 +64,34 @@ def read_metrics(run: str) -> tuple:
                         f"least one step to (the folder of its config.json, or "
                         f"logging.run_dir)")
     steps, vals = [], []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PlotError(f"{path}:{n} is not JSON ({e}); is it a metrics.jsonl "
-                                f"written by train.py?") from None
-            if not isinstance(record, dict):
-                raise PlotError(f"{path}:{n} is a JSON {type(record).__name__}, not the "
-                                f"object train.py writes; is it a metrics.jsonl?")
-            record = {k: math.nan if v is None else v for k, v in record.items()}
-            bad = [k for k in (*STEP_KEYS, "val_loss", "mfu") if k in record and (
-                isinstance(record[k], bool) or not isinstance(record[k], (int, float)))]
-            if bad:
-                raise PlotError(f"{path}:{n}: {', '.join(bad)} must be numbers, got "
-                                f"{', '.join(repr(record[k]) for k in bad)}; is it a "
-                                f"metrics.jsonl written by train.py?")
-            if "val_loss" in record:
-                vals.append(record)
-            elif "loss" in record:
-                steps.append(record)
+    lines = text_lines(path)
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == lines[-1][0]:        # a run killed (or still) writing it: half a line
+                print(f"warning: {path}:{n}: dropped the last line, which is not whole JSON "
+                      f"(a run killed while writing it, or still writing)", file=sys.stderr)
+                break
+            raise PlotError(f"{path}:{n} is not JSON ({e}); is it a metrics.jsonl "
+                            f"written by train.py?") from None
+        if not isinstance(record, dict):
+            raise PlotError(f"{path}:{n} is a JSON {type(record).__name__}, not the "
+                            f"object train.py writes; is it a metrics.jsonl?")
+        if "step" not in record:
+            raise PlotError(f"{path}:{n}: a record without \"step\", which train.py writes "
+                            f"in every record; is it a metrics.jsonl written by train.py?")
+        record = {k: math.nan if v is None else v for k, v in record.items()}
+        bad = [k for k in (*STEP_KEYS, "val_loss", "mfu") if k in record and (
+            isinstance(record[k], bool) or not isinstance(record[k], (int, float)))]
+        if bad:
+            raise PlotError(f"{path}:{n}: {', '.join(bad)} must be numbers, got "
+                            f"{', '.join(repr(record[k]) for k in bad)}; is it a "
+                            f"metrics.jsonl written by train.py?")
+        if "val_loss" in record:
+            vals.append(record)
+        elif "loss" in record:
+            steps.append(record)
     if not steps:
         raise PlotError(f"{path} holds no training step yet; plot it once a step is logged")
     missing = sorted({k for r in steps for k in STEP_KEYS if k not in r})

@@ -190,7 +190,7 @@ def test_plot_refuses_what_it_cannot_draw(tmp_path, monkeypatch, capsys, fake_gp
     (empty / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     with pytest.raises(plot.PlotError, match="step records without tokens, tokens_per_s"):
         plot.plot([str(empty)], str(tmp_path / "x.png"))
-    (empty / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0\n')
+    (empty / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0\n{"step": 2}\n')
     with pytest.raises(plot.PlotError, match=r"metrics.jsonl:1 is not JSON"):
         plot.plot([str(empty)], str(tmp_path / "x.png"))
     for line, message in (('[1, 2]', "is a JSON list"), ('{"step": 1, "loss": "low", '
@@ -207,3 +207,28 @@ def test_plot_refuses_what_it_cannot_draw(tmp_path, monkeypatch, capsys, fake_gp
     with pytest.raises(plot.PlotError, match=r"`pip install matplotlib`"):
         plot.plot([fake_gpu_run], str(tmp_path / "x.png"))
     assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_plot_drops_a_half_written_last_line_and_names_what_is_no_metrics(fake_gpu_run,
+                                                                          tmp_path, capsys):
+    """A run killed (or still) writing leaves half a last line: dropped with a warning, as
+    train.py's resume does. A file that is not text, or a record without a step, is refused
+    by name, never with a traceback."""
+    metrics = os.path.join(fake_gpu_run, "metrics.jsonl")
+    with open(metrics, "a") as f:
+        f.write('{"step": 4, "loss": 3.')
+    out = str(tmp_path / "x.png")
+    assert plot.main([fake_gpu_run, "--out", out]) == out
+    assert capsys.readouterr().err == (f"warning: {metrics}:5: dropped the last line, which "
+                                       f"is not whole JSON (a run killed while writing it, "
+                                       f"or still writing)\n")
+    assert [r["step"] for r in plot.read_metrics(fake_gpu_run)[0]] == [1, 2, 3]
+    for body, words in ((b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "is not text"),
+                        (b'{"step": 1, "loss": 3.0, "tokens": 1, "tokens_per_s": 1}\n'
+                         b'{"val_loss": 2.5}\n', ':2: a record without "step"')):
+        with open(metrics, "wb") as f:
+            f.write(body)
+        with pytest.raises(SystemExit) as exit_:
+            plot.main([fake_gpu_run, "--out", out])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in err and "Traceback" not in err, err
