@@ -163,26 +163,33 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def machine_memory(config, device) -> tuple:
+    """(device memory, or None when the device is the host; host memory; ranks per host) in
+    bytes, as a run of `config` on `device` has them here. The memory they have, not what is
+    free now: the same on every rank of a node."""
+    if device.type == "cuda":
+        ranks = max(1, min(config.world_size, torch.cuda.device_count()))
+        return torch.cuda.mem_get_info(device)[1], host_memory_bytes(), ranks
+    return None, host_memory_bytes(), config.world_size
+
+
 def check_memory(config, device) -> None:
     """Raise ConfigError when the estimate says the config cannot fit in this rank's device or
-    host memory, before anything is allocated. It compares with the memory they have, not what
-    is free now: the same on every rank of a node, so every rank refuses alike (the entry point
-    then prints the message once and the other ranks leave quietly)."""
-    if device.type == "cuda":
-        device_memory = torch.cuda.mem_get_info(device)[1]
-        ranks = max(1, min(config.world_size, torch.cuda.device_count()))
-    else:
-        device_memory, ranks = None, config.world_size
-    message = memory_errors(config, device_memory, host_memory_bytes(), ranks)
+    host memory, before anything is allocated. Every rank of a node refuses alike (the entry
+    point then prints the message once and the other ranks leave quietly)."""
+    message = memory_errors(config, *machine_memory(config, device))
     if message:
         raise ConfigError(message)
 
 
 def main(argv=None):
-    """`python -m picotron.memory_plan CONFIG`: print a config's estimate, row by row."""
+    """`python -m picotron.memory_plan CONFIG`: print a config's estimate, row by row, then
+    whether it fits this machine, as train.py checks it: exit 1 when it does not (2: a config
+    that does not load)."""
     import argparse
     from picotron.config import load_config
-    p = argparse.ArgumentParser(description="Print the memory estimate of a config.json.")
+    p = argparse.ArgumentParser(description="Print the memory estimate of a config.json, and "
+                                "whether it fits this machine (exit 1 when it does not).")
     p.add_argument("config", help="path to a config.json (create_config.py writes one)")
     try:
         config = load_config(p.parse_args(argv).config)
@@ -194,6 +201,20 @@ def main(argv=None):
     note = fp8_auto_note(config, e)
     if note:
         print(note)
+    if not config.distributed.use_cpu and not torch.cuda.is_available():
+        print("whether it fits is not checked: the config runs on GPUs and none is visible "
+              "here; run this on a machine of the kind that trains")
+        return
+    device = torch.device("cpu" if config.distributed.use_cpu else "cuda")
+    device_memory, host_memory, ranks = machine_memory(config, device)
+    message = memory_errors(config, device_memory, host_memory, ranks)
+    if message:
+        print(f"error: does not fit this machine: {message}", file=sys.stderr)
+        sys.exit(1)
+    has = (f"the GPU's {device_memory / GiB:.1f} GiB" if device_memory is not None else
+           f"the host's {host_memory / GiB:.1f} GiB, shared by {ranks} "
+           f"rank{'s' if ranks > 1 else ''}")
+    print(f"fits this machine: the estimate is within {has}, as train.py checks it")
 
 
 def fp8_auto_note(config, e: Estimate):

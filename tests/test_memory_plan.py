@@ -246,3 +246,25 @@ def test_the_command_line_names_a_bad_config_without_a_traceback(tmp_path, capsy
             main([path])
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and err.startswith("error: ") and words in err, err
+
+
+def test_the_command_line_says_whether_the_config_fits_this_machine(tmp_path, capsys,
+                                                                    monkeypatch):
+    """After the table, the verdict train.py's check would give here: fits (exit 0), or its
+    refusal with the changes that would fit (exit 1)."""
+    from picotron import memory_plan
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config().to_dict()))
+    memory_plan.main([str(path)])
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("fits this machine: the estimate is within the "
+                                           "host's"), out
+    half = estimate(config()).device_bytes // 2
+    monkeypatch.setattr(memory_plan, "host_memory_bytes", lambda: half)
+    with pytest.raises(SystemExit) as stopped:
+        memory_plan.main([str(path)])
+    out, err = capsys.readouterr()
+    assert "per device (held + max(forward, step))" in out               # the table first
+    assert stopped.value.code == 1 and err.startswith("error: does not fit this machine: this "
+                                                      "config needs an estimated"), err
+    assert "the estimate says these would fit: " in err and "Traceback" not in err, err
