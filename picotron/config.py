@@ -211,7 +211,12 @@ def load_config(path: str, world_size: Optional[int] = None, overrides=()) -> Co
         raise ConfigError(f"config file '{path}' does not exist; write one with "
                           f"`python create_config.py --out_dir tmp --exp_name NAME`") from None
     except OSError as e:              # a folder, or a file this user cannot read
-        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
+        inside, hint = os.path.join(path, "config.json"), ""
+        if os.path.isfile(inside):                  # a run directory: its config
+            hint = f"; give {inside}"
+        elif os.path.isdir(path):
+            hint = "; give a config.json file, not a folder"
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror}{hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
     except _DuplicateKey as e:

@@ -241,7 +241,8 @@ def test_the_command_line_names_a_bad_config_without_a_traceback(tmp_path, capsy
     bad = tmp_path / "config.json"
     bad.write_text("[1, 2]")
     for path, words in ((str(tmp_path / "missing.json"), "missing.json' does not exist"),
-                        (str(bad), "must be a JSON object, got list")):
+                        (str(bad), "must be a JSON object, got list"),
+                        (str(tmp_path), f"Is a directory; give {bad}")):
         with pytest.raises(SystemExit) as stopped:
             main([path])
         err = capsys.readouterr().err
