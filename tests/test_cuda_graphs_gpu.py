@@ -30,7 +30,7 @@ import train  # noqa: E402
 
 
 def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none", fp8="auto",
-              extra=(), model="debug"):
+              save_every=6, model="debug"):
     path = create_config.main([
         "--out_dir", str(tmp_path), "--exp_name", name, "--model_name", model,
         "--mbs", "4", "--seq_len", "128",
@@ -41,7 +41,7 @@ def train_run(tmp_path, name, kernels, dtype, graphs, dp=1, zero=0, ckpt="none",
         "--set", f"training.cuda_graphs={'true' if graphs else 'false'}",
         "--set", f"training.activation_checkpointing={ckpt}", "--set", f"training.fp8={fp8}",
         "--set", "training.val_frequency=3", "--set", "dataset.val_samples=8",
-        "--set", "checkpoint.save_frequency=6", *extra])
+        "--set", f"checkpoint.save_frequency={save_every}"])
     if dp == 1:
         train.main(["--config", path])
     else:           # torchrun, NCCL: the reductions run from hooks after the backward graph
@@ -123,9 +123,8 @@ def test_a_graphed_run_resumes_like_the_run_that_went_on(tmp_path, fp8):
     amaxes come back from the checkpoint, so the resumed run captures at its first step."""
     import json
     import shutil
-    every_3 = ["--set", "checkpoint.save_frequency=3"]
     _, straight_w = train_run(tmp_path, "straight", "triton", "bfloat16", True,
-                              ckpt="selective", fp8=fp8, extra=every_3)
+                              ckpt="selective", fp8=fp8, save_every=3)
     straight = tmp_path / "straight"
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "checkpoints" / "step_000003",

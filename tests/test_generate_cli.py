@@ -110,3 +110,18 @@ def test_an_unfinished_save_is_named_with_the_checkpoints_beside_it(checkpoints,
     with pytest.raises(CheckpointError, match="holds no complete checkpoint, only unfinished "
                                               "saves \\(step_000001.tmp: their run was killed"):
         checkpoint_to_read(str(only))
+
+
+def test_a_model_trained_on_bytes_samples_bytes_whatever_its_name():
+    """SmolLM-135M's shape trained on the embedded corpus (or a file's byte range) saw byte
+    tokens: generate and export take the byte tokenizer, not the hub tokenizer of the name."""
+    from picotron.config import config_from_dict
+    from picotron.tokenizer import tokenizer_source
+    model = {"name": "SmolLM-135M", "vocab_size": 49152}      # a preset with a hub tokenizer
+    on_bytes = config_from_dict({"model": model, "dataset": {"name": "embedded"}})
+    assert tokenizer_source(on_bytes) == "byte"
+    on_range = config_from_dict({"model": model, "dataset": {"name": __file__,
+                                                             "byte_range": [0, 4000]}})
+    assert tokenizer_source(on_range) == "byte"
+    on_tokens = config_from_dict({"model": model, "dataset": {"name": "synthetic"}})
+    assert tokenizer_source(on_tokens) == "HuggingFaceTB/SmolLM-135M"
