@@ -2,9 +2,9 @@
 
 Takes picotron's flags, plus `--set section.key=value` for any other key of the config
 (repeatable; the value is read as JSON when it parses, else as a string; a key given twice, by
-a flag and a `--set` or by two `--set`, is refused). The config is built and validated through
-picotron.config before anything is written, so a bad combination is refused here, not at step
-3 of a run. Prints the path of the written config. With `--slurm
+a flag and a `--set` or by two `--set`, takes the last, with a warning). The config is built
+and validated through picotron.config before anything is written, so a bad combination is
+refused here, not at step 3 of a run. Prints the path of the written config. With `--slurm
 --nodes N --gpus_per_node G --partition P --time T` it also writes `slurm.sh` beside it, a
 batch script for several nodes (picotron/slurm.py).
 """
@@ -17,7 +17,7 @@ from picotron.checkpoint import existing_run
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config_checks import config_warnings
 from picotron.config_ranges import unwritable
-from picotron.overrides import apply_overrides
+from picotron.overrides import apply_overrides, repeated_keys
 from picotron.preflight import local_problems
 from picotron.presets import pretrained_weights, resolve_model
 from picotron.slurm import add_slurm_flags, slurm_problems, write_slurm_script
@@ -123,21 +123,27 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def flags_given(args) -> dict:
+    """{'section.key': the flag as typed, e.g. '--seed 1'} for each flag of FLAG_KEYS given."""
+    given = {}
+    for flag, (section, key) in FLAG_KEYS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            given[f"{section}.{key}"] = f"--{flag}" if value is True else f"--{flag} {value}"
+    return given
+
+
 def build_config_dict(args) -> dict:
     raw = Config().to_dict()
     resolved = resolve_model(args.model_name, args.hf_token)
     raw["model"].update(resolved)
     if args.use_cpu:                   # fp32 on CPU: the precision parity tests rely on
         raw["training"]["dtype"] = "float32"
-    set_by_flags = {}                  # a flag not given is None: only given ones count
     for flag, (section, key) in FLAG_KEYS.items():
         value = getattr(args, flag)
-        if value is not None:
+        if value is not None:          # a flag not given is None: only given ones count
             raw[section][key] = value
-            set_by_flags[f"{section}.{key}"] = f"--{flag}" if value is True else \
-                f"--{flag} {value}"
-    # unknown keys are caught by config_from_dict; a key also set by a flag is refused here
-    apply_overrides(raw, args.set, set_by_flags)
+    apply_overrides(raw, args.set)     # unknown keys are caught by config_from_dict
     # A Hugging Face checkpoint as --model_name: start from its weights, unless a flag changed
     # the architecture (then its weights cannot fit: train from scratch, and say so).
     weights = pretrained_weights(args.model_name)
@@ -183,7 +189,7 @@ def main(argv=None) -> str:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    for warning in config_warnings(config):
+    for warning in repeated_keys(args.set, flags_given(args)) + config_warnings(config):
         print(f"warning: {warning}", file=sys.stderr)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")

@@ -46,6 +46,11 @@ def main(argv=None):
     except (CheckpointError, ConfigError, DataError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:         # a full disk while writing: the earlier export is whole
+        print(f"error: writing the export to '{args.out}' failed ({type(e).__name__}: {e}); "
+              f"any earlier export there is as it was: free the space (or fix the cause) and "
+              f"run the export again", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from picotron.errors import RunStopped, SharedDataError
 from picotron.hf_io import load_hf_weights
 from picotron.loss import build_loss
 from picotron.memory_plan import check_memory
+from picotron.metrics_log import MetricsLog, import_loggers, set_aside_metrics
 from picotron.model import Decoder, materialize
 from picotron.output_paths import check_output_dirs
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
@@ -35,8 +36,7 @@ from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.speed.fp8_layers import settle_auto_fp8
 from picotron.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
-from picotron.utils import (MetricsLog, StepValues, import_loggers, lr_at, set_aside_metrics,
-                            set_cpu_threads, set_seed)
+from picotron.utils import StepValues, lr_at, set_cpu_threads, set_seed
 from picotron.validation import validation_line, validation_loss, validation_record
 from picotron.watchdog import Watchdog
 
@@ -200,7 +200,7 @@ def main(argv=None):
     is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0
                  and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
     if is_logger:
-        print(describe_run(config, pgm, device, run_dir), flush=True)
+        print(describe_run(config, pgm, device, run_dir, args.set), flush=True)
 
     # ---- build --------------------------------------------------------------------------
     model, loss_fn, grads, optimizer = build_training(config, pgm, device)

@@ -32,7 +32,7 @@ class CheckpointSaver:
         self.thread = None
         self.pending = None              # the directory of the save not yet waited for
         self.error = None                # what this rank's writer raised, as text
-        self.timeout_s = None            # distributed.timeout_s, known at the first save
+        self.timeout_s = self.rank = None   # distributed.timeout_s, this rank: at a save
 
     def save(self, model, optimizer, pgm, config, save_root: str, step: int,
              state: dict) -> str:
@@ -41,7 +41,7 @@ class CheckpointSaver:
         self.wait()                      # one in flight: the host copies are free again
         snap = take_snapshot(model, optimizer, pgm, config, save_root, step, state,
                              self.buffers)
-        self.timeout_s = snap.timeout_s
+        self.timeout_s, self.rank = snap.timeout_s, snap.rank
         self.pending = snap.directory
         if self.async_save:
             self.thread = threading.Thread(target=self._write, args=(snap,), daemon=True,
@@ -67,7 +67,7 @@ class CheckpointSaver:
         self.thread.join(timeout=self.timeout_s)
         if self.thread.is_alive() or self.error is not None:
             return
-        if os.path.isfile(os.path.join(self.pending, STATE_FILE)):    # rank 0 completed it
+        if self.rank == 0 and os.path.isfile(os.path.join(self.pending, STATE_FILE)):
             print(f"checkpoint {self.pending}, in flight when the run stopped, is complete",
                   file=sys.stderr, flush=True)
 

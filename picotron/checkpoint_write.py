@@ -250,9 +250,9 @@ def atomic_write(path: str, text: str) -> None:
 
 def remove_checkpoint(directory: str) -> None:
     """Rename first, so a crash mid-delete never leaves a partial dir under a real name."""
+    if not os.path.isdir(directory):    # a file someone put under a checkpoint's name
+        raise CheckpointError(f"{directory} is a file, where the checkpoint of that step goes; "
+                              f"move it away")
     trash = directory + ".deleting"
     os.rename(directory, trash)
-    if os.path.isdir(trash):
-        shutil.rmtree(trash)
-    else:                  # a file someone put under a checkpoint's name
-        os.remove(trash)
+    shutil.rmtree(trash)

@@ -14,10 +14,12 @@ The export is written into a staging folder inside the target first, and its fil
 only once all of them are written, so an export that fails midway leaves the earlier one whole.
 """
 import contextlib
+import glob
 import json
 import os
 import shutil
 import tempfile
+import time
 
 from picotron.config_ranges import unwritable
 
@@ -26,6 +28,7 @@ from picotron.config_ranges import unwritable
 # folders picotron never wrote; the file also lists exactly which files are picotron's.
 MARKER = "picotron_export.json"
 STAGING_PREFIX = ".picotron-export-"
+STALE_STAGING_S = 86400.0      # older staging folders were left by killed exports: removed
 
 
 class ExportError(ValueError):
@@ -65,12 +68,13 @@ def check_export_dir(out_dir: str) -> None:
         raise ExportError(f"cannot write the export directory '{out_dir}': {problem}")
     present = _entries(out_dir) if os.path.isdir(out_dir) else []
     if present and earlier_export_files(out_dir) is None:
-        raise ExportError(f"the export directory '{out_dir}' holds files that no picotron "
-                          f"export wrote ({', '.join(present[:4])}"
-                          f"{', ...' if len(present) > 4 else ''}; it has no {MARKER}), such "
-                          f"as a downloaded model or a run, which the export would overwrite; "
-                          f"give a new or empty --out, e.g. --out "
-                          f"'{out_dir.rstrip(os.sep)}-hf'")
+        raise ExportError(f"the export directory '{out_dir}' holds files ("
+                          f"{', '.join(present[:4])}{', ...' if len(present) > 4 else ''}) "
+                          f"but no {MARKER}, which every export since picotron marks its "
+                          f"folders writes: a downloaded model, a run, or an export of an "
+                          f"earlier picotron, which the export would overwrite; give a new "
+                          f"or empty --out, e.g. --out '{out_dir.rstrip(os.sep)}-hf' (or "
+                          f"empty that folder if it is an export of yours)")
 
 
 def _write_marker(folder: str, files) -> None:
@@ -106,6 +110,9 @@ def export_staging(out_dir: str):
     files replace the earlier export in `out_dir` (the module's rule). The staging folder is
     removed either way."""
     os.makedirs(out_dir, exist_ok=True)
+    for old in glob.glob(os.path.join(out_dir, STAGING_PREFIX + "*")):
+        if time.time() - os.path.getmtime(old) > STALE_STAGING_S:   # an export killed there
+            shutil.rmtree(old, ignore_errors=True)
     # inside out_dir, so on its disk: the files move in by a rename, not a copy
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
     try:

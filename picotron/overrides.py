@@ -11,7 +11,7 @@ string (`--set dataset.name=synthetic`); a key that takes only text takes a numb
 true/false as written (`--set logging.run_name=2024` names the run "2024"). The result is
 validated like any config, so a typo in a key or a value of the wrong type is refused with the
 same message as in a file. A key set twice on one command line (two `--set`, or a flag of
-create_config.py and a `--set`) is refused: the last would silently win.
+create_config.py and a `--set`) takes the last, with a warning that says so.
 """
 import json
 import typing
@@ -53,19 +53,12 @@ def parse_override(item: str) -> tuple:
     return section, key, value
 
 
-def apply_overrides(raw: dict, items: list, set_by_flags: dict = None) -> dict:
-    """Apply each `--set` item to the config dict `raw` (in place; also returned). An
-    unknown section is refused here; an unknown key or a bad value by the config's checks.
-    `set_by_flags`: {'section.key': the flag that set it on this command line, e.g. '--seed 1'};
-    a key given twice, by two items or by a flag and an item, is refused."""
-    given = dict(set_by_flags or {})
+def apply_overrides(raw: dict, items: list) -> dict:
+    """Apply each `--set` item to the config dict `raw` (in place; also returned), in order (a
+    key given twice takes the last). An unknown section is refused here; an unknown key or a
+    bad value by the config's checks."""
     for item in items:
         section, key, value = parse_override(item)
-        name = f"{section}.{key}"
-        if name in given:
-            raise ConfigError(f"'{name}' is given twice, by {given[name]} and by --set "
-                              f"{item!r}; the last would silently win: keep one of them")
-        given[name] = f"--set {item!r}"
         if not isinstance(raw.get(section, {}), dict):
             raise ConfigError(f"--set {item!r}: '{section}' in the config is not a section")
         if section not in raw and section not in SECTIONS:
@@ -74,3 +67,22 @@ def apply_overrides(raw: dict, items: list, set_by_flags: dict = None) -> dict:
         raw.setdefault(section, {})[key] = value
     return raw
 
+
+def repeated_keys(items: list, set_by_flags: dict = None) -> list:
+    """A warning for each key given twice on one command line: by two `--set` items, or by a
+    flag and an item (`set_by_flags`: {'section.key': the flag typed, e.g. '--seed 1'}). The
+    last is used, as a script that appends an override to its base arguments means; a person
+    who typed both learns which one the run takes. Items that do not parse are left to
+    apply_overrides to refuse."""
+    given, warnings = dict(set_by_flags or {}), []
+    for item in items:
+        try:
+            section, key, _ = parse_override(item)
+        except ConfigError:
+            continue
+        name = f"{section}.{key}"
+        if name in given:
+            warnings.append(f"'{name}' is given twice, by {given[name]} and by --set {item!r}; "
+                            f"the last, --set {item!r}, is used")
+        given[name] = f"--set {item!r}"
+    return warnings

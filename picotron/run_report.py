@@ -14,13 +14,15 @@ import time
 import torch
 
 from picotron.config_checks import config_warnings
+from picotron.overrides import repeated_keys
 from picotron.pipeline_parallel import describe_split
 from picotron.utils import count_params, duration, flops_per_token
 from picotron.watchdog import tell_launcher
 
 
-def describe_run(config, pgm, device, run_dir) -> str:
-    """The run's first lines: what "auto" chose, the grid, the model, the batch."""
+def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
+    """The run's first lines: what "auto" chose, the grid, the model, the batch, and the
+    warnings (`overrides`: the launch's --set items, a key given twice among them)."""
     d, t = config.distributed, config.training
     auto = getattr(config, "auto_resolved", {})
     chosen = ", ".join(f"{k}={json.dumps(v) if isinstance(v, bool) else v}"   # as --set takes
@@ -41,7 +43,7 @@ def describe_run(config, pgm, device, run_dir) -> str:
               f"tokens/step; {t.total_train_steps} steps; dtype {t.dtype}; run dir {run_dir}"]
     if d.pp_size > 1:
         lines.append(describe_split(config))
-    lines += [f"warning: {w}" for w in config_warnings(config)]
+    lines += [f"warning: {w}" for w in repeated_keys(overrides) + config_warnings(config)]
     return "\n".join(lines)
 
 

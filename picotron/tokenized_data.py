@@ -189,9 +189,9 @@ def _tokenize_to_file(config, split: str, root: str) -> str:
         return path
     problem = unwritable(root)          # said now, not after the tokenizing (hours at scale)
     if problem:
-        raise DataError(f"{d.name}:{split} is not in the token cache yet, and the cache "
-                        f"'{root}' cannot be written: {problem}; set dataset.cache_dir to a "
-                        f"writable folder")
+        raise DataError(f"{d.name}:{split} has no usable entry in the token cache, and the "
+                        f"cache '{root}' cannot be written: {problem}; set dataset.cache_dir "
+                        f"to a writable folder")
     tokenizer = tokenizer or _checked_tokenizer(config, tokenizer_source(config))
     docs = docs if docs is not None else load_documents(d, split)
     eos, column = tokenizer.eos_token_id, d.text_column

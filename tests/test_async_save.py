@@ -128,7 +128,8 @@ def test_a_save_whose_folder_is_removed_fails_at_once(tmp_path):
     assert time.monotonic() - started < 5
 
 
-def test_keep_last_skips_a_file_and_a_failed_prune_only_warns(tmp_path, monkeypatch, capsys):
+def test_keep_last_and_a_resave_never_remove_a_file_and_a_failed_prune_only_warns(
+        tmp_path, monkeypatch, capsys):
     config = tiny_config()
     config.checkpoint.keep_last = 1
     model, grads, opt = build(config)
@@ -148,3 +149,10 @@ def test_keep_last_skips_a_file_and_a_failed_prune_only_warns(tmp_path, monkeypa
     assert resolve_checkpoint("latest", root, "/").endswith("step_000002")   # saved all the same
     assert "could not remove" in capsys.readouterr().err
     assert os.path.isdir(os.path.join(root, "step_000001"))
+    monkeypatch.undo()        # a step saved again where a user's file has the step's name
+    with open(os.path.join(root, "step_000003"), "w") as f:
+        f.write("notes")
+    with pytest.raises(CheckpointError, match="step_000003 is a file, where the checkpoint of "
+                                              "that step goes; move it away"):
+        saver.save(model, opt, one_process_group(), config, root, 3, step_state(config, 3))
+    assert open(os.path.join(root, "step_000003")).read() == "notes"

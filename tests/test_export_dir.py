@@ -1,14 +1,16 @@
 """export_hf.py writes only picotron's own folders (picotron/export_dir.py): a downloaded model
 is refused and left byte for byte; an earlier export is replaced whole (its stale files gone,
-a person's added files kept) and loads in transformers; a failed export leaves it whole."""
+a person's added files kept) and loads in transformers; a failed export leaves it whole; a
+killed export's staging folder is removed by a later one."""
 import json
 import os
+import time
 
 import pytest
 import torch
 
 from checkpoint_helpers import build, save_at, tiny_config
-from picotron.export_dir import MARKER, ExportError
+from picotron.export_dir import MARKER, STAGING_PREFIX, STALE_STAGING_S, ExportError
 from picotron.generate import load_for_inference
 from picotron.hf_io import export_hf
 
@@ -53,7 +55,7 @@ def test_a_downloaded_model_folder_is_refused_and_left_as_it_was(tmp_path, capsy
         cli.main(["--checkpoint", ckpt, "--out", str(base)])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "Traceback" not in err, err
-    assert f"'{base}' holds files that no picotron export wrote" in err, err
+    assert f"'{base}' holds files (" in err and "but no picotron_export.json" in err, err
     assert f"give a new or empty --out, e.g. --out '{base}-hf'" in err, err
     assert snapshot(base) == before and sorted(os.listdir(base)) == sorted(DOWNLOADED)
 
@@ -97,7 +99,8 @@ def test_a_file_someone_added_is_never_replaced(tmp_path):
     assert snapshot(out) == before
 
 
-def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch,
+                                                                  capsys):
     import safetensors.torch
     old, new = checkpoint(tmp_path / "old", seed=1), checkpoint(tmp_path / "new", seed=2)
     out = export_hf(old, str(tmp_path / "hf"))
@@ -109,5 +112,24 @@ def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monk
     with pytest.raises(OSError, match="No space left"):
         export_hf(new, out)
     assert snapshot(out) == before                    # and no staging folder left behind
+    import export_hf as cli
+    with pytest.raises(SystemExit) as stopped:        # the script says so in one line
+        cli.main(["--checkpoint", new, "--out", out])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err, err
+    assert "No space left on device); any earlier export there is as it was" in err, err
     monkeypatch.undo()
     loads_as(out, old)
+
+
+def test_a_killed_exports_staging_folder_is_removed_after_a_day(tmp_path):
+    """A staging folder outlives an export only when the export was killed (SIGKILL, out of
+    memory): a later export into the folder removes it once it is a day old."""
+    ckpt = checkpoint(tmp_path / "ckpt", seed=1)
+    out = export_hf(ckpt, str(tmp_path / "hf"))
+    old, recent = (os.path.join(out, STAGING_PREFIX + name) for name in ("old", "recent"))
+    for folder in (old, recent):
+        os.makedirs(folder)
+    os.utime(old, (0, time.time() - STALE_STAGING_S - 60))
+    export_hf(ckpt, out)
+    assert not os.path.exists(old) and os.path.isdir(recent)  # maybe an export under way

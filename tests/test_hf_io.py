@@ -228,7 +228,7 @@ def test_export_never_overwrites_other_files(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text('{"model": {}}')
-    for out, words in ((run, "that no picotron export wrote (config.json"),
+    for out, words in ((run, "holds files (config.json) but no picotron_export.json"),
                        (run / "config.json", "is a file"), ("", "directory is an empty string"),
                        (run / "config.json" / "sub", "is not a folder (a file")):
         with pytest.raises(SystemExit) as stopped:

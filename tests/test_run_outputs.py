@@ -17,7 +17,7 @@ import create_config
 import plot
 import train
 from picotron.config import Config, MissingPackage
-from picotron.utils import MetricsLog, finite_or_null
+from picotron.metrics_log import MetricsLog, finite_or_null
 
 
 def strict_records(path) -> list:
@@ -139,9 +139,9 @@ def test_a_write_that_fails_warns_once_and_training_goes_on(tmp_path, capsys):
     assert f"{path} at step 2" in err and "tensorboard at step 2" in err
     run.mkdir()
     with open(path, "w") as f:
-        f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
-    MetricsLog(path, True, Config(), keep_until_step=3)
-    assert "holds no record of steps 2-3" in capsys.readouterr().err
+        f.writelines(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 5, 6))
+    MetricsLog(path, True, Config(), keep_until_step=8)
+    assert "holds no record of steps 2-4, 7-8" in capsys.readouterr().err
 
 
 def test_tensorboard_missing_is_named_with_its_fix(tmp_path, monkeypatch):

@@ -1,52 +1,64 @@
-"""`--set section.key=value` on the command line (picotron/overrides.py): a key given twice is
-refused, not silently taken from the last; a text key takes a number or true/false as the
-text typed."""
+"""`--set section.key=value` on the command line (picotron/overrides.py): a key given twice
+takes the last, with a warning naming both spellings (scripts append overrides to a base list;
+a person who typed both learns which one is used); a text key takes a number or true/false as
+the text typed."""
 import json
 
 import pytest
+import torch
 
 from launch import write_config
+from tiny import one_process_group
 from picotron.config import ConfigError, load_config
+from picotron.overrides import repeated_keys
+from picotron.run_report import describe_run
 
 BASE = ["--dataset_name", "synthetic", "--skip_local_checks"]
 
-TWICE = [  # (command-line flags, the two spellings the message names)
-    (["--seed", "1", "--set", "training.seed=2"], ["--seed 1", "--set 'training.seed=2'"]),
+TWICE = [  # (command-line flags, the two spellings the warning names, the key's value written)
+    (["--seed", "1", "--set", "training.seed=2"], ["--seed 1", "--set 'training.seed=2'"],
+     ("training", "seed", 2)),
     (["--mbs", "4", "--set", "training.micro_batch_size=8"],
-     ["--mbs 4", "--set 'training.micro_batch_size=8'"]),
+     ["--mbs 4", "--set 'training.micro_batch_size=8'"], ("training", "micro_batch_size", 8)),
     (["--set", "training.seed=1", "--set", "training.seed=2"],
-     ["--set 'training.seed=1'", "--set 'training.seed=2'"]),
-    (["--set", "distributed.use_cpu=false"], ["--use_cpu", "--set 'distributed.use_cpu=false'"]),
+     ["--set 'training.seed=1'", "--set 'training.seed=2'"], ("training", "seed", 2)),
+    (["--set", "distributed.use_cpu=true"], ["--use_cpu", "--set 'distributed.use_cpu=true'"],
+     ("distributed", "use_cpu", True)),
 ]
 
 
-@pytest.mark.parametrize("flags,spellings", TWICE)
-def test_create_config_refuses_a_key_given_twice(tmp_path, capsys, flags, spellings):
-    with pytest.raises(SystemExit) as stopped:
-        write_config(tmp_path, "twice", BASE + flags)
+@pytest.mark.parametrize("flags,spellings,written", TWICE)
+def test_create_config_takes_the_last_of_a_key_given_twice_and_says_so(tmp_path, capsys, flags,
+                                                                       spellings, written):
+    path = write_config(tmp_path, "twice", BASE + flags)
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and "Traceback" not in err, err
     name = spellings[1].split("'")[1].split("=")[0]
-    assert f"'{name}' is given twice, by {spellings[0]} and by {spellings[1]}" in err, err
-    assert "keep one of them" in err
-    assert not (tmp_path / "twice").exists()
+    assert (f"warning: '{name}' is given twice, by {spellings[0]} and by {spellings[1]}; the "
+            f"last, {spellings[1]}, is used") in err, err
+    section, key, value = written
+    with open(path) as f:
+        assert json.load(f)[section][key] == value
 
 
-def test_a_flag_left_at_its_default_does_not_count(tmp_path):
+def test_a_flag_left_at_its_default_does_not_count(tmp_path, capsys):
     """Flags have defaults; only one typed on the command line sets its key."""
     path = write_config(tmp_path, "once", BASE + ["--set", "training.seed=5", "--set",
                                                   "training.micro_batch_size=3"])
+    assert "given twice" not in capsys.readouterr().err
     with open(path) as f:
         training = json.load(f)["training"]
     assert (training["seed"], training["micro_batch_size"]) == (5, 3)
 
 
-def test_train_refuses_two_sets_of_one_key(tmp_path):
+def test_train_takes_the_last_of_two_sets_and_says_so_in_its_first_lines(tmp_path):
     path = write_config(tmp_path, "run", BASE)
-    with pytest.raises(ConfigError, match=r"'training.seed' is given twice, by --set "
-                                          r"'training.seed=1' and by --set 'training.seed=2'"):
-        load_config(path, overrides=["training.seed=1", "training.seed=2"])
-    load_config(path, overrides=["training.seed=1", "training.warmup_steps=2"])
+    twice = ["training.seed=1", "training.seed=2"]
+    config = load_config(path, overrides=twice)
+    assert config.training.seed == 2
+    lines = describe_run(config, one_process_group(), torch.device("cpu"), str(tmp_path), twice)
+    assert ("warning: 'training.seed' is given twice, by --set 'training.seed=1' and by --set "
+            "'training.seed=2'; the last, --set 'training.seed=2', is used") in lines
+    assert repeated_keys(["training.seed=1", "training.warmup_steps=2"]) == []
 
 
 @pytest.mark.parametrize("typed,text", [("2024", "2024"), ("1e3", "1e3"), ("true", "true"),

@@ -13,7 +13,8 @@ import torch
 
 from picotron.config import Config
 from picotron.step_log import StepLog
-from picotron.utils import MetricsLog, StepValues
+from picotron.metrics_log import MetricsLog
+from picotron.utils import StepValues
 
 WORK_S = 0.05          # one step's work
 CHECKPOINT_S = 0.5     # host time between a flush and the next step: never counted

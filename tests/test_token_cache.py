@@ -276,7 +276,7 @@ def test_a_read_only_cache_serves_its_entries_and_refuses_a_miss_before_tokenizi
     calls.reset()
     assert tokens(config_for(source, "byte", shared), tmp_path / "run") == first
     other = write_jsonl(tmp_path / "other.jsonl", documents(5))
-    with pytest.raises(DataError, match="not in the token cache yet, and the cache .*shared' "
-                                        "cannot be written: .*set dataset.cache_dir"):
+    with pytest.raises(DataError, match="no usable entry in the token cache, and the cache "
+                                        ".*shared' cannot be written: .*set dataset.cache_dir"):
         tokens(config_for(other, "byte", shared), tmp_path / "run")
     assert calls.documents == 0
