@@ -42,8 +42,8 @@ def test_a_moved_tokenizer_is_named_with_the_flag_that_replaces_it(saved, tmp_pa
     import generate
     _, root = saved
     step3 = os.path.join(root, "step_000003")
-    rewrite_state(step3, lambda s: s["config"]["dataset"].update(
-        tokenizer=str(tmp_path / "moved")))
+    rewrite_state(step3, lambda s: s["config"]["dataset"].update(     # a tokenized dataset's
+        name=str(tmp_path / "docs.jsonl"), tokenizer=str(tmp_path / "moved")))   # run
     for main, extra in ((generate.main, ["--max_new_tokens", "2"]),
                         (export_hf.main, ["--out", str(tmp_path / "hf")])):
         with pytest.raises(SystemExit):
