@@ -154,9 +154,9 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
 
 def _make_tmp_directory(directory: str, rank: int) -> None:
     """Collective: rank 0 makes `<dir>.tmp` (removing a killed save's debris) and tells every
-    rank whether it could. A save root that vanished, filled up or turned read-only during the
-    run then stops every rank with one message, instead of a traceback on rank 0 and the other
-    ranks left waiting for it in the next collective."""
+    rank whether it could (a save root deleted during the run is made again). One that a file
+    replaced, that filled up or turned read-only then stops every rank with one message,
+    instead of a traceback on rank 0 and the other ranks left waiting in the next collective."""
     problem = None
     if rank == 0:
         shutil.rmtree(directory + ".tmp", ignore_errors=True)
