@@ -123,14 +123,10 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
-def flags_given(args) -> dict:
-    """{'section.key': the flag as typed, e.g. '--seed 1'} for each flag of FLAG_KEYS given."""
-    given = {}
-    for flag, (section, key) in FLAG_KEYS.items():
-        value = getattr(args, flag)
-        if value is not None:
-            given[f"{section}.{key}"] = f"--{flag}" if value is True else f"--{flag} {value}"
-    return given
+def flags_given(args) -> list:
+    """(flag, section, key, value) for each flag of FLAG_KEYS given: a flag not given is None."""
+    return [(flag, section, key, getattr(args, flag)) for flag, (section, key)
+            in FLAG_KEYS.items() if getattr(args, flag) is not None]
 
 
 def build_config_dict(args) -> dict:
@@ -139,10 +135,8 @@ def build_config_dict(args) -> dict:
     raw["model"].update(resolved)
     if args.use_cpu:                   # fp32 on CPU: the precision parity tests rely on
         raw["training"]["dtype"] = "float32"
-    for flag, (section, key) in FLAG_KEYS.items():
-        value = getattr(args, flag)
-        if value is not None:          # a flag not given is None: only given ones count
-            raw[section][key] = value
+    for _, section, key, value in flags_given(args):
+        raw[section][key] = value
     apply_overrides(raw, args.set)     # unknown keys are caught by config_from_dict
     # A Hugging Face checkpoint as --model_name: start from its weights, unless a flag changed
     # the architecture (then its weights cannot fit: train from scratch, and say so).
@@ -189,7 +183,9 @@ def main(argv=None) -> str:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    for warning in repeated_keys(args.set, flags_given(args)) + config_warnings(config):
+    typed = {f"{section}.{key}": f"--{flag}" if value is True else f"--{flag} {value}"
+             for flag, section, key, value in flags_given(args)}     # as the warning names them
+    for warning in repeated_keys(args.set, typed) + config_warnings(config):
         print(f"warning: {warning}", file=sys.stderr)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")

@@ -146,6 +146,11 @@ class DatasetConfig:
     # (never one used in the last hour: a starting run may be about to read it); 0: no cap
     cache_max_gb: float = 100.0
 
+    @property
+    def raw_bytes(self) -> bool:
+        """Read as bytes, never tokenized: the embedded corpus or a file's byte range."""
+        return self.name == "embedded" or self.byte_range is not None
+
 
 @dataclass
 class CheckpointConfig:

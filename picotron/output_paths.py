@@ -22,13 +22,6 @@ from picotron.errors import ConfigError
 from picotron.token_cache import cache_dir
 
 
-def tokenized(config) -> bool:
-    """Whether the dataset goes through the tokenizer and its cache (picotron/data.py: not
-    the synthetic tokens, the embedded corpus, nor a file's byte range)."""
-    d = config.dataset
-    return d.name not in ("synthetic", "embedded") and d.byte_range is None
-
-
 def check_output_dirs(config, run_dir: str) -> None:
     """Refuse a run whose outputs cannot be written, naming every path in the way."""
     c = config.checkpoint
@@ -41,7 +34,7 @@ def check_output_dirs(config, run_dir: str) -> None:
         folders.append(("logging.tensorboard's folder", os.path.join(run_dir, "tensorboard")))
     problems = [f"{what} '{folder}': {problem}" for what, folder in folders
                 if (problem := unwritable(folder))]
-    if tokenized(config):
+    if config.dataset.name != "synthetic" and not config.dataset.raw_bytes:    # tokenized
         where = "dataset.cache_dir" if config.dataset.cache_dir else (
             "the token cache (dataset.cache_dir is null: the user's cache folder)")
         problem = not_a_folder(cache_dir(config, run_dir))

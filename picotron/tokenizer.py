@@ -87,11 +87,10 @@ class HFTokenizer:
 def tokenizer_source(config, fix: str = "set dataset.tokenizer to"):
     """The name or path of the tokenizer this run uses, or "byte". `fix`: as in
     load_tokenizer."""
-    d = config.dataset
-    if d.name == "embedded" or d.byte_range is not None:
+    if config.dataset.raw_bytes:
         return "byte"          # the data is bytes, whatever tokenizer the model's name has
-    if d.tokenizer:
-        return d.tokenizer
+    if config.dataset.tokenizer:
+        return config.dataset.tokenizer
     from picotron.presets import presets
     for candidate in (config.checkpoint.init_from, config.model.name):
         if not candidate:

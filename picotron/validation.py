@@ -56,12 +56,9 @@ def validation_loss(model, loss_fn, val_data, config, pgm, device) -> float:
 def byte_level(config) -> bool:
     """Whether every token is one byte of text: the embedded corpus, a raw byte range, or a
     dataset under the byte tokenizer (its EOS between documents counts as a byte too)."""
-    d = config.dataset
-    if d.name == "synthetic":
+    if config.dataset.name == "synthetic":
         return False
-    if d.name == "embedded" or d.byte_range is not None:
-        return True
-    try:
+    try:                       # "byte" for the embedded corpus and a raw byte range
         source = tokenizer_source(config)
     except DataError:          # no tokenizer can be named: the data step says why
         return False
