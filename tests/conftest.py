@@ -20,6 +20,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The versions this run tested, beside its summary (pytest -q prints no header):
+    requirements.txt gives lower bounds, so a fresh machine gets the newest release of each."""
+    from importlib.metadata import PackageNotFoundError, version
+    found = []
+    for package in ("torch", "triton", "transformers", "datasets", "safetensors", "pytest",
+                    "matplotlib", "tensorboard"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} absent")
+    terminalreporter.write_line("tested with: " + ", ".join(found))
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_process_group():
     """Tests that call checkpoint or training code in-process open a one-rank group; close it

@@ -95,3 +95,18 @@ def test_quick_start_runs_as_printed(tmp_path):
     assert losses(fine_tune)[0] < first[0] - 1.0, (losses(fine_tune)[:3], first[:3])
     assert "resumed at step 200" in resumed and "step   220/220" in resumed, resumed[-2000:]
     assert "done: 20 steps (200 -> 220)" in resumed
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
+    """CI proves what a user's new machine does: `.ci/run` runs README's test command
+    verbatim, inside a virtual environment it has just made, so pip resolves every dependency
+    to its newest release instead of keeping older ones this machine already holds."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("Run the tests", 1)[1]
+    command = re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+    script = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8")
+              if line.strip() and not line.startswith("#")]
+    assert script[-1] == command, (script[-1], command)
+    made = next(i for i, line in enumerate(script) if line.startswith("python -m venv "))
+    entered = next(i for i, line in enumerate(script) if line.startswith("source "))
+    assert made < entered < len(script) - 1, script
