@@ -6,21 +6,21 @@ a flag and a `--set` or by two `--set`, takes the last, with a warning). The con
 and validated through picotron.config before anything is written, so a bad combination is
 refused here, not at step 3 of a run. Prints the path of the written config. With `--slurm
 --nodes N --gpus_per_node G --partition P --time T` it also writes `slurm.sh` beside it, a
-batch script for several nodes (picotron/slurm.py).
+batch script for several nodes (picotron/run/slurm.py).
 """
 import argparse
 import json
 import os
 import sys
 
-from picotron.checkpoint import existing_run
+from picotron.checkpoint.checkpoint import existing_run
 from picotron.config import Config, ConfigError, config_from_dict
-from picotron.config_checks import config_warnings
-from picotron.config_ranges import unwritable
-from picotron.overrides import apply_overrides, repeated_keys
-from picotron.preflight import local_problems
-from picotron.presets import pretrained_weights, resolve_model
-from picotron.slurm import add_slurm_flags, slurm_problems, write_slurm_script
+from picotron.config.checks import config_warnings
+from picotron.config.ranges import unwritable
+from picotron.config.overrides import apply_overrides, repeated_keys
+from picotron.run.preflight import local_problems
+from picotron.config.presets import pretrained_weights, resolve_model
+from picotron.run.slurm import add_slurm_flags, slurm_problems, write_slurm_script
 
 # flag -> (section, key): picotron's spelling on the left, the config's names on the right.
 FLAG_KEYS = {
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "them), the value read as JSON when it parses (a text key takes a "
                         "number as typed: logging.run_name=2024), e.g. --set "
                         "training.warmup_steps=10 --set dataset.tokenizer=gpt2")
-    add_slurm_flags(p)                 # --slurm --nodes --gpus_per_node ... (picotron/slurm.py)
+    add_slurm_flags(p)                 # --slurm --nodes --gpus_per_node ... (picotron/run/slurm.py)
     return p
 
 

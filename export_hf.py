@@ -5,19 +5,19 @@
 The directory then loads with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`. `--checkpoint` may also be a checkpoints folder (its latest
 complete checkpoint is used). A Llama-style model exports as LlamaForCausalLM, a PaLM-style
-one (parallel_residual with layernorm) as CohereForCausalLM (picotron/hf_cohere.py).
+one (parallel_residual with layernorm) as CohereForCausalLM (picotron/checkpoint/hf_cohere.py).
 `--out` may hold an earlier export, which is replaced; any other non-empty folder, such as a
-downloaded model, is refused and left as it was (picotron/export_dir.py).
+downloaded model, is refused and left as it was (picotron/checkpoint/export_dir.py).
 """
 import argparse
 import os
 import sys
 
-from picotron.checkpoint import CheckpointError, checkpoint_to_read
+from picotron.checkpoint.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
-from picotron.data import DataError
-from picotron.export_dir import ExportError, check_export_dir
-from picotron.hf_io import export_hf
+from picotron.data.windows import DataError
+from picotron.checkpoint.export_dir import ExportError, check_export_dir
+from picotron.checkpoint.hf_io import export_hf
 
 
 def build_parser() -> argparse.ArgumentParser:

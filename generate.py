@@ -5,7 +5,7 @@
 
 `--checkpoint` is a step_* directory or a checkpoints folder (its latest checkpoint). The
 tokenizer is the run's (byte-level, or the Hugging Face one it trained with). No KV cache:
-each token re-runs the model over the whole text (see picotron/generate.py). A text longer than
+each token re-runs the model over the whole text (see picotron/run/generate.py). A text longer than
 the run's training.seq_length is warned of: the model never saw positions past it.
 """
 import argparse
@@ -14,11 +14,11 @@ import sys
 
 import torch
 
-from picotron.checkpoint import CheckpointError, checkpoint_to_read
+from picotron.checkpoint.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
-from picotron.data import DataError
-from picotron.generate import load_for_inference, sample
-from picotron.tokenizer import check_fits, load_tokenizer, tokenizer_source
+from picotron.data.windows import DataError
+from picotron.run.generate import load_for_inference, sample
+from picotron.data.tokenizer import check_fits, load_tokenizer, tokenizer_source
 from picotron.utils import set_cpu_threads
 
 

@@ -53,10 +53,10 @@ def text_lines(path: str) -> list:
 
 
 def read_metrics(run: str) -> tuple:
-    """(step records, validation records) of a run directory or a metrics.jsonl file.
-    Non-finite values are null in the file (picotron.metrics_log.MetricsLog): read as NaN. A last
-    line that is not whole JSON (a run killed while writing it, or still writing) is dropped
-    with a warning, as train.py's resume drops it (picotron.metrics_log.read_records)."""
+    """(step records, validation records) of a run directory or a metrics.jsonl file. Non-finite
+    values are null in the file (picotron.run.metrics_log.MetricsLog): read as NaN. A last line that
+    is not whole JSON (a run killed while writing it, or still writing) is dropped with a warning,
+    as train.py's resume drops it (picotron.run.metrics_log.read_records)."""
     path = run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
         what = "is not a directory" if not os.path.isdir(run) else "has no metrics.jsonl"

@@ -15,30 +15,30 @@ import torch
 import torch.distributed as dist
 
 from picotron.attention import resolve_attention
-from picotron.checkpoint import (CheckpointError, CheckpointSaver, SharedCheckpointError,
-                                 check_new_run, resume, save_root)
+from picotron.checkpoint.checkpoint import (CheckpointError, CheckpointSaver,
+                                            SharedCheckpointError, check_new_run, resume, save_root)
 from picotron.config import ConfigError, MissingPackage, load_config
 from picotron.context_parallel import apply_context_parallel
-from picotron.data import DataError, StepBatches, build_train_val, data_state
+from picotron.data.windows import DataError, StepBatches, build_train_val, data_state
 from picotron.data_parallel import GradBuckets, ShardedParams
 from picotron.errors import RunStopped, SharedDataError
-from picotron.hf_io import load_hf_weights
+from picotron.checkpoint.hf_io import load_hf_weights
 from picotron.loss import build_loss
-from picotron.memory_plan import check_memory
-from picotron.metrics_log import MetricsLog, import_loggers, set_aside_metrics
+from picotron.run.memory_plan import check_memory
+from picotron.run.metrics_log import MetricsLog, import_loggers, set_aside_metrics
 from picotron.model import Decoder, materialize
-from picotron.output_paths import check_output_dirs
+from picotron.run.output_paths import check_output_dirs
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
-from picotron.run_report import (data_warning, describe_run, exit_with_error, record_launch,
+from picotron.run.report import (data_warning, describe_run, exit_with_error, record_launch,
                                  summary)
 from picotron.speed import apply_speed, build_optimizer, capture_layers
-from picotron.speed.fp8_layers import settle_auto_fp8
-from picotron.step_log import StepLog
+from picotron.speed.fp8.layers import settle_auto_fp8
+from picotron.run.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
 from picotron.utils import StepValues, lr_at, set_cpu_threads, set_seed
-from picotron.validation import validation_line, validation_loss, validation_record
-from picotron.watchdog import Watchdog
+from picotron.data.validation import validation_line, validation_loss, validation_record
+from picotron.run.watchdog import Watchdog
 
 
 def setup(config_path, overrides=()):

@@ -8,7 +8,7 @@ import os
 import torch
 
 from picotron.model import materialize
-from picotron.presets import resolve_model
+from picotron.config.presets import resolve_model
 
 CACHE = "/tmp/picotron_bench_weights_{}.pt"
 

@@ -8,17 +8,17 @@ e.g. the fused casts against the separate ones at 1.7B, in one call (the --rows 
         tensorwise,ours fp8 rowwise,ours fp8 rowwise unfused casts,ours fp8
         rowwise_bf16_dw,ours fp8 rowwise_bf16_dw unfused casts,hf+liger"
 
-gemms: one decoder layer's projections (fused q/k/v, o, fused gate/up, down) at micro-batch x
-seq tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs, for each
-recipe (tensorwise, rowwise, rowwise_bf16_dw) against bf16 (fused_linear / F.linear, the path
-model.kernels=triton runs); then "mlp": gate/up, the SwiGLU and down as one, as "selective"
-runs it (fp8_triton.fp8_swiglu_mlp against fused_linear + swiglu_linear), the row where the
-casts (row-scaled) or amaxes (tensorwise) fused into the SwiGLU kernels (fp8_fused.py) show,
-and "layer mlp",
-the layer's total with that row for gate/up and down. Columns (`--variants` picks some):
-- "cached": fp8_linear as training runs it: our cast kernels (fp8_cast.py), the weights' FP8
-  copies from a warm Fp8WeightCache (every micro-batch but a step's first), and in the mlp
-  row the casts (row-scaled) or the amaxes (tensorwise) fused into the SwiGLU kernels;
+gemms: one decoder layer's projections (fused q/k/v, o, fused gate/up, down) at micro-batch x seq
+tokens, forward + backward (the three GEMMs each), CUDA events over 20 runs, for each recipe
+(tensorwise, rowwise, rowwise_bf16_dw) against bf16 (fused_linear / F.linear, the path
+model.kernels=triton runs); then "mlp": gate/up, the SwiGLU and down as one, as "selective" runs it
+(fp8_triton.fp8_swiglu_mlp against fused_linear + swiglu_linear), the row where the casts
+(row-scaled) or amaxes (tensorwise) fused into the SwiGLU kernels (picotron/speed/fp8/fused.py)
+show, and "layer mlp", the layer's total with that row for gate/up and down. Columns (`--variants`
+picks some):
+- "cached": fp8_linear as training runs it: our cast kernels (picotron/speed/fp8/cast.py), the
+  weights' FP8 copies from a warm Fp8WeightCache (every micro-batch but a step's first), and in the
+  mlp row the casts (row-scaled) or the amaxes (tensorwise) fused into the SwiGLU kernels;
 - "unfused" (mlp row only): "cached" with fp8_fused.FUSED off: the separate cast kernels;
 - "per use": our cast kernels, the weights cast at every use (a step's first micro-batch);
 - "compiled": the casts as before our kernels: fp8_quantize's reference amax and cast, each
@@ -61,11 +61,11 @@ import train  # noqa: E402
 from fp8_baselines import PreviousCasts, gemms_alone, layer_gemms  # noqa: E402
 from fused_projections import bench, fwd_bwd, host_ms  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.speed import fp8, fp8_fused  # noqa: E402
-from picotron.speed.fp8_triton import fp8_swiglu_mlp  # noqa: E402
-from picotron.speed.fp8_weights import Fp8WeightCache, WeightCasts  # noqa: E402
-from picotron.speed.fused_linear import fused_linear  # noqa: E402
-from picotron.speed.triton_swiglu import swiglu_linear  # noqa: E402
+from picotron.speed.fp8 import linear as fp8, fused as fp8_fused  # noqa: E402
+from picotron.speed.fp8.triton_layers import fp8_swiglu_mlp  # noqa: E402
+from picotron.speed.fp8.weights import Fp8WeightCache, WeightCasts  # noqa: E402
+from picotron.speed.kernels.fused_linear import fused_linear  # noqa: E402
+from picotron.speed.kernels.triton_swiglu import swiglu_linear  # noqa: E402
 from picotron.utils import flops_per_token  # noqa: E402
 
 # label: (kernels, fused_loss, compile, activation checkpointing, training.fp8)

@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.data import StepBatches, SyntheticData  # noqa: E402
+from picotron.data.windows import StepBatches, SyntheticData  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
 from bench_config import base_config, cached_materialize, shape_model  # noqa: E402,F401
@@ -188,7 +188,7 @@ def maker(label, shape, mbs, seq, ckpt=None):
     """A function that builds the row's step function (in this process, on the GPU).
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
     if label.endswith(" cat"):            # fused weights concatenated each step, as before
-        from picotron.speed import fused_linear
+        from picotron.speed.kernels import fused_linear
         fused_linear.stacked = lambda weights: torch.cat(weights, dim=0)
         label = label[:-len(" cat")]
     chunk, fp8 = 0, "none"

@@ -30,8 +30,8 @@ sys.path.insert(0, ROOT)
 
 import create_config  # noqa: E402
 import train  # noqa: E402
-from picotron.async_save import CheckpointSaver  # noqa: E402
-from picotron.data import StepBatches, build_train_val, data_state  # noqa: E402
+from picotron.checkpoint.async_save import CheckpointSaver  # noqa: E402
+from picotron.data.windows import StepBatches, build_train_val, data_state  # noqa: E402
 
 
 def sync_device(device):

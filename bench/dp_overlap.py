@@ -74,7 +74,7 @@ def profile_rank(args):
     from torch.profiler import ProfilerActivity, profile
 
     import train
-    from picotron.data import StepBatches, build_train_val
+    from picotron.data.windows import StepBatches, build_train_val
     config, pgm, device = train.setup(args.config)
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
     data, _ = build_train_val(config)

@@ -5,7 +5,7 @@ ceiling the casts are measured from), and the casts as they were before our kern
 """
 import torch
 
-from picotron.speed import fp8, fp8_quantize
+from picotron.speed.fp8 import linear as fp8, quantize as fp8_quantize
 
 
 def layer_gemms(model_cfg, tokens):

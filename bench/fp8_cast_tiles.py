@@ -1,5 +1,5 @@
 """The FP8 cast kernels' tiles, swept on the GPU: time and bandwidth of each kernel of
-picotron/speed/fp8_cast.py for every tile, against the tile the module uses now.
+picotron/speed/fp8/cast.py for every tile, against the tile the module uses now.
 
     python bench/fp8_cast_tiles.py [--widths 2048,8192,16384] [--rows 32768] [--out DIR]
 
@@ -29,9 +29,9 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from norm_tiles import copy_rate  # noqa: E402  (the floor's yardstick)
-from picotron.speed import fp8_cast as fc  # noqa: E402
-from picotron.speed import fp8_delayed_swiglu as fds  # noqa: E402
-from picotron.speed.fp8_delayed import SLOT_STRIDE, SLOTS  # noqa: E402
+from picotron.speed.fp8 import cast as fc  # noqa: E402
+from picotron.speed.fp8 import delayed_swiglu as fds  # noqa: E402
+from picotron.speed.fp8.delayed import SLOT_STRIDE, SLOTS  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -61,13 +61,14 @@ def amax_rows(x, per_column: bool):
 
 
 def site_slots(device):
-    """Where a delayed site's casts record their amax, as in training (fp8_delayed.py)."""
+    """Where a delayed site's casts record their amax, as in training
+    (picotron/speed/fp8/delayed.py)."""
     return torch.zeros((SLOTS, SLOT_STRIDE), dtype=torch.int32, device=device)
 
 
 def cast_rows(x, record: bool = False):
     """(ms, tile) for every _cast tile; `record`: the amax taken as the cast runs (delayed
-    scaling, fp8_delayed.py)."""
+    scaling, picotron/speed/fp8/delayed.py)."""
     N, K = x.shape
     amax = x.abs().amax().float()
     bits = site_slots(x.device)

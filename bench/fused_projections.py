@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from picotron.speed.fused_linear import fused_linear                      # noqa: E402
-from picotron.speed.triton_swiglu import swiglu_packed                    # noqa: E402
+from picotron.speed.kernels.fused_linear import fused_linear                      # noqa: E402
+from picotron.speed.kernels.triton_swiglu import swiglu_packed                    # noqa: E402
 
 SHAPES = {"360M": (960, 320, 2560), "1.7B": (2048, 2048, 8192)}        # C, kv dim, I
 

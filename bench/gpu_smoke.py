@@ -26,11 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from picotron.config import Config, ModelConfig  # noqa: E402
-from picotron.speed.kernels import apply_kernels  # noqa: E402
-from picotron.data import embedded_corpus_bytes  # noqa: E402
+from picotron.speed.kernels.swap import apply_kernels  # noqa: E402
+from picotron.data.windows import embedded_corpus_bytes  # noqa: E402
 from picotron.attention import sdpa_attention  # noqa: E402
 from picotron.model import Decoder, materialize  # noqa: E402
-from picotron.presets import resolve_model  # noqa: E402
+from picotron.config.presets import resolve_model  # noqa: E402
 
 
 def run(out_dir, name, flags):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from picotron.speed.triton_loss import _accumulate as accumulate  # noqa: E402
+from picotron.speed.kernels.triton_loss import _accumulate as accumulate  # noqa: E402
 
 
 def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
@@ -110,7 +110,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("error: the floor times cuBLAS and cuDNN kernels: run it on a CUDA GPU")
     from picotron.config import ModelConfig
-    from picotron.presets import resolve_model
+    from picotron.config.presets import resolve_model
     step, _ = floor_runner(ModelConfig(**resolve_model(args.shape)), args.mbs, args.seq)
     step(0)                                   # warm-up: cuBLAS heuristics, Triton compile
     start = time.perf_counter()

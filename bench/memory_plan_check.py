@@ -1,4 +1,4 @@
-"""The memory estimate (picotron/memory_plan.py) against torch.cuda.max_memory_allocated on one
+"""The memory estimate (picotron/run/memory_plan.py) against torch.cuda.max_memory_allocated on one
 GPU: the SmolLM presets at seq 2048, the default fast path, a few micro-batches.
 
     python bench/memory_plan_check.py [--shapes SmolLM-135M,SmolLM-360M,SmolLM-1.7B]
@@ -6,12 +6,12 @@ GPU: the SmolLM presets at seq 2048, the default fast path, a few micro-batches.
 
 Each (shape, micro-batch) runs in a fresh process (nothing left from the row before):
 train.py's build_training and `--steps` queued steps on synthetic tokens, with
-torch.cuda.max_memory_allocated read from the process's start (weights, AdamW state,
-activations, gradients: everything the estimate counts; max_memory_reserved under CUDA graphs,
-whose pool counts as allocated only while it is captured). One line per row: the estimate,
-split into what is held all step and the forward and step phases (memory_plan.py says what
-each holds), the measured peak, their ratio, and whether it is within the estimate's stated
-accuracy (15%). A row that runs out of memory prints OOM next to its estimate.
+torch.cuda.max_memory_allocated read from the process's start (weights, AdamW state, activations,
+gradients: everything the estimate counts; max_memory_reserved under CUDA graphs, whose pool counts
+as allocated only while it is captured). One line per row: the estimate, split into what is held all
+step and the forward and step phases (picotron/run/memory_plan.py says what each holds), the
+measured peak, their ratio, and whether it is within the estimate's stated accuracy (15%). A row
+that runs out of memory prints OOM next to its estimate.
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.memory_plan import ACCURACY, GiB, estimate  # noqa: E402
+from picotron.run.memory_plan import ACCURACY, GiB, estimate  # noqa: E402
 
 
 def build_config(shape, mbs, seq, sets):
@@ -55,7 +55,7 @@ def child(args):
 
     import bench_speed
     import train
-    from picotron.data import StepBatches, SyntheticData
+    from picotron.data.windows import StepBatches, SyntheticData
     from picotron.process_group_manager import ProcessGroupManager
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     train.materialize = bench_speed.cached_materialize      # the same weights, drawn once
@@ -80,7 +80,7 @@ def child(args):
         result["measured"] = "OOM"
     print("RESULT " + json.dumps(result), flush=True)
     if args.rows:
-        from picotron.memory_plan import describe
+        from picotron.run.memory_plan import describe
         print(describe(e), flush=True)
 
 

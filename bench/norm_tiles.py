@@ -1,5 +1,5 @@
 """The Triton norms' tile choice, swept on the GPU: time and bandwidth of every (rows per program,
-warps, programs per SM) against the heuristic `_tile` in picotron/speed/triton_norms.py.
+warps, programs per SM) against the heuristic `_tile` in picotron/speed/kernels/triton_norms.py.
 
     python bench/norm_tiles.py [--widths 960,2048] [--rows 32768] [--out DIR]
 
@@ -18,7 +18,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from picotron.speed import triton_norms as tn  # noqa: E402
+from picotron.speed.kernels import triton_norms as tn  # noqa: E402
 
 
 def copy_rate(nbytes=2 ** 31):

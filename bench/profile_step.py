@@ -113,7 +113,7 @@ def profile_row(args):
 def gemm_bench(emit, shape, mbs, seq):
     """Separate projections vs one fused matmul: forward Y = X W^T, backward dX = dY W and
     dW = dY^T X (the separate version also adds the dX of each projection)."""
-    from picotron.presets import resolve_model
+    from picotron.config.presets import resolve_model
     m = resolve_model(shape)
     C, I = m["hidden_size"], m["intermediate_size"]
     kv = m["num_key_value_heads"] * C // m["num_attention_heads"]
@@ -161,7 +161,7 @@ def attention_backends(emit, shape, mbs, seq):
     """Forward + backward time of one layer's SDPA call under each backend, (B, H, T, D) bf16,
     causal: which kernel `model.attn_implementation="sdpa"` should prefer."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from picotron.presets import resolve_model
+    from picotron.config.presets import resolve_model
     m = resolve_model(shape)
     H, K = m["num_attention_heads"], m["num_key_value_heads"]
     D = m["hidden_size"] // H

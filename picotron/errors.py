@@ -1,13 +1,14 @@
 """The errors a user's input can raise, at the bottom of the import graph.
 
-`ConfigError` is raised by the config's checks (picotron/config.py re-exports it, the name the
-entry points catch) and by the `--set` overrides (picotron/overrides.py), which config.py
-imports.
+`ConfigError` is raised by the config's checks (the `picotron.config` package re-exports it,
+the name the entry points catch) and by the `--set` overrides (picotron/config/overrides.py),
+which config/config.py imports.
 
-`DataError` is raised by the data sources (picotron/data.py), the Hugging Face dataset loader
-(picotron/tokenized_data.py) and the tokenizers (picotron/tokenizer.py). data.py imports the
-other two, so the class lives here, where all three can import it without importing each
-other; `picotron.data` re-exports it, the name the entry points catch."""
+`DataError` is raised by the data sources (picotron/data/windows.py), the Hugging Face dataset
+loader (picotron/data/tokenized.py) and the tokenizers (picotron/data/tokenizer.py).
+data/windows.py imports the other two, so the class lives here, where all three can import it
+without importing each other; `picotron.data.windows` re-exports it, the name the entry points
+catch."""
 
 
 class DataError(ValueError):
@@ -16,7 +17,7 @@ class DataError(ValueError):
 
 class SharedDataError(DataError):
     """A DataError that every rank raises alike: rank 0 met it preparing the data and sent
-    its message to the others (picotron/tokenized_data.py), so it is said once, not once per
+    its message to the others (picotron/data/tokenized.py), so it is said once, not once per
     rank."""
 
 

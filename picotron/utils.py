@@ -1,4 +1,6 @@
-"""Seeding, the learning-rate schedule, FLOPs and MFU, the step line, CPU threads."""
+"""Seeding, the learning-rate schedule, FLOPs and MFU, the step line, CPU threads; a file's
+sha256 and the mode a written file gets (checkpoints and the token cache use both)."""
+import hashlib
 import math
 import os
 import random
@@ -56,7 +58,7 @@ def peak_flops(device) -> float:
 
 def format_step(r: dict) -> str:
     """The one readable line per step: where the run is, how it learns, how fast, and (with
-    the progress fields of picotron/step_log.py) how long it has run and has left."""
+    the progress fields of picotron/run/step_log.py) how long it has run and has left."""
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     where = f"step {r['step']:>5}" + (f"/{r['total_steps']}" if "total_steps" in r else "")
     when = ""
@@ -132,3 +134,27 @@ def set_cpu_threads(local_processes: int) -> int:
     threads = max(1, cpu_share() // max(1, local_processes))
     torch.set_num_threads(threads)
     return threads
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# read once, at import: os.umask can only be read by setting it, which a background writer
+# (checkpoint/async_save.py) creating a file at that moment would see
+UMASK = os.umask(0o022)
+os.umask(UMASK)
+
+
+def readable_as_usual(path: str) -> None:
+    """safetensors creates its files 0600, readable by their owner only; give them the mode
+    any other file gets here (0666 less the umask), so that a team sharing a cluster's disk
+    reads checkpoints and exports as it reads the logs beside them."""
+    try:
+        os.chmod(path, 0o666 & ~UMASK)
+    except OSError:             # a file system without modes (some network mounts): as it is
+        pass

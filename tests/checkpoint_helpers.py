@@ -6,10 +6,10 @@ import os
 import torch
 
 from tiny import one_process_group
-from picotron.checkpoint import save_checkpoint
-from picotron.checkpoint_verify import state_checksum
+from picotron.checkpoint.checkpoint import save_checkpoint
+from picotron.checkpoint.verify import state_checksum
 from picotron.config import Config
-from picotron.data import data_state
+from picotron.data.windows import data_state
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.loss import causal_lm_loss
 from picotron.model import Decoder, materialize

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from picotron.config import load_config  # noqa: E402
-from picotron.data import build_train_val, micro_batch  # noqa: E402
+from picotron.data.windows import build_train_val, micro_batch  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
 
 config_path, steps, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import create_config  # noqa: E402
-from picotron.checkpoint import load_full_weights  # noqa: E402
+from picotron.checkpoint.checkpoint import load_full_weights  # noqa: E402
 
 
 def write_config(tmp_path, name: str, args: list) -> str:

@@ -13,9 +13,9 @@ import torch
 from checkpoint_helpers import (build, content_of, same_content, save_at, step_state,
                                 tiny_config, train_one, weights_of)
 from tiny import one_process_group
-import picotron.checkpoint_write as checkpoint_write
-from picotron.async_save import CheckpointSaver
-from picotron.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+import picotron.checkpoint.write as checkpoint_write
+from picotron.checkpoint.async_save import CheckpointSaver
+from picotron.checkpoint.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 
 
 def held_writer(monkeypatch, gate: threading.Event, fail: str = None):

@@ -8,8 +8,8 @@ import pytest
 
 from launch import launch, read_metrics, write_config
 from picotron.config import Config, ConfigError, config_from_dict
-from picotron.data import DataError, build_train_val
-from picotron.validation import validation_line, validation_record
+from picotron.data.windows import DataError, build_train_val
+from picotron.data.validation import validation_line, validation_record
 
 SEQ = 64
 
@@ -66,8 +66,8 @@ def test_a_byte_range_edited_in_place_is_another_run_to_a_resume(tmp_path):
     """A resume compares the range's sha256, as it does a tokenized dataset's: same size,
     same windows, other bytes is another run (unless checkpoint.allow_changes says so). So
     does the embedded corpus, whose bytes are this Python's standard library."""
-    from picotron.checkpoint_changes import run_changes
-    from picotron.data import data_state
+    from picotron.checkpoint.changes import run_changes
+    from picotron.data.windows import data_state
     path = tmp_path / "bytes.txt"
     path.write_bytes(b"abcdefgh" * 1000)
     c = config_for(str(path), [0, 6000], [6000, 8000], 3)

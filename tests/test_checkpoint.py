@@ -13,13 +13,13 @@ import torch
 
 from launch import ROOT, final_weights, launch_script, read_metrics, write_config
 from tiny import documents, one_process_group
-from picotron.checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint,
-                                 resolve_checkpoint, save_checkpoint)
+from picotron.checkpoint.checkpoint import (CheckpointError, complete_checkpoints, load_checkpoint,
+                                            resolve_checkpoint, save_checkpoint)
 from picotron.config import Config
-from picotron.data import data_state
+from picotron.data.windows import data_state
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.model import Decoder, materialize
-from picotron.shards import index_shards
+from picotron.checkpoint.shards import index_shards
 
 TINY = ["--num_hidden_layers", "2", "--seq_len", "32", "--set", "model.hidden_size=32",
         "--set", "model.intermediate_size=64", "--set", "model.num_attention_heads=4",
@@ -85,11 +85,11 @@ KILLER = """
 import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch
-import picotron.checkpoint as ck
-import picotron.checkpoint_write as ck_write
+import picotron.checkpoint.checkpoint as ck
+import picotron.checkpoint.write as ck_write
 from tiny import one_process_group
 from picotron.config import Config
-from picotron.data import data_state
+from picotron.data.windows import data_state
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.loss import causal_lm_loss
 from picotron.model import Decoder, materialize

@@ -17,11 +17,11 @@ import torch
 from checkpoint_helpers import (build, rewrite_state, save_at, tiny_config, train_one,
                                 weights_of, Windows)
 from tiny import one_process_group
-from picotron.checkpoint import (CheckpointError, find_checkpoint, load_checkpoint, resume)
-from picotron.checkpoint_changes import DATASET_FIELDS, run_changes
-from picotron.checkpoint_verify import read_state
+from picotron.checkpoint.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, resume
+from picotron.checkpoint.changes import DATASET_FIELDS, run_changes
+from picotron.checkpoint.verify import read_state
 from picotron.config import ConfigError, config_from_dict
-from picotron.config_checks import RESUME_CHANGES
+from picotron.config.checks import RESUME_CHANGES
 
 
 @pytest.fixture()
@@ -200,7 +200,7 @@ def test_a_missing_shard_is_never_a_fresh_optimizer_state(saved):
     first = sorted(per_param)[0]
     per_param[first]["tensors"] = []
     save_file(tensors, path, dict(meta, state=json.dumps(per_param)))
-    from picotron.shards import sha256
+    from picotron.checkpoint.shards import sha256
     rewrite_state(step3, lambda s: s["sha256"].update({os.path.basename(path): sha256(path)}))
     with pytest.raises(CheckpointError, match=f"not for \\['{first}'\\]"):
         load_checkpoint(step3, model, opt, one_process_group(), config)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from picotron.checkpoint import CheckpointError
+from picotron.checkpoint.checkpoint import CheckpointError
 from checkpoint_helpers import rewrite_state
 from test_checkpoint_integrity import flip, saved  # noqa: F401  (saved: the fixture)
 
@@ -14,7 +14,7 @@ def test_generate_and_export_read_only_verified_checkpoints(saved, tmp_path, cap
     damaged file refuses it by name; a checkpoints folder gives its latest valid one."""
     import export_hf
     import generate
-    from picotron.checkpoint import checkpoint_to_read
+    from picotron.checkpoint.checkpoint import checkpoint_to_read
     _, root = saved
     step3 = os.path.join(root, "step_000003")
     assert checkpoint_to_read(step3) == os.path.abspath(step3)
@@ -58,7 +58,7 @@ def test_a_moved_tokenizer_is_named_with_the_flag_that_replaces_it(saved, tmp_pa
 def test_a_folder_of_checkpoints_as_load_path_says_to_name_one(saved, tmp_path):
     """generate and export take a checkpoints folder (its latest); a resume names its
     checkpoint, so it is told how, not that the folder is damaged."""
-    from picotron.checkpoint import find_checkpoint
+    from picotron.checkpoint.checkpoint import find_checkpoint
     _, root = saved
     with pytest.raises(CheckpointError, match="is a folder of checkpoints \\(3 of them\\); "
                                               "name one of them \\(e.g. .*step_000003\\)"):

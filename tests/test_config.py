@@ -237,7 +237,7 @@ def test_cuda_graphs_auto_captures_one_gpu_runs_of_small_models(monkeypatch):
     assert graphs(model=wide, training={"cuda_graphs": True}) is True
     assert graphs(training={"cuda_graphs": False}) is False
     assert config_from_dict({}, resolve=False).training.cuda_graphs == "auto"
-    from picotron import config_features           # "auto" attention takes flash-attn there
+    from picotron.config import features as config_features   # "auto" attention: flash-attn there
     monkeypatch.setattr(config_features, "flash_attn_installed", lambda: True)
     assert graphs() is False and graphs(model={"attn_implementation": "sdpa"}) is True
     with pytest.raises(ConfigError, match=r"training.cuda_graphs='on' must be true, false or "
@@ -264,7 +264,7 @@ def test_a_home_relative_path_is_the_home_folder(tmp_path, monkeypatch, capsys):
     assert load_config(path).logging.run_dir == str(tmp_path / "home" / "runs" / "x")
     assert json.load(open(path))["logging"]["run_dir"] == "~/runs/x"    # for any machine
     # a checkpoint saved with the '~' unexpanded resumes under the expanded path
-    from picotron.checkpoint_changes import run_changes
+    from picotron.checkpoint.changes import run_changes
     saved = config_from_dict({"dataset": {"name": "~/corpus.jsonl"}})
     now = config_from_dict({"dataset": {"name": str(tmp_path / "home" / "corpus.jsonl")}})
     assert run_changes(saved, now, None, None) == {}

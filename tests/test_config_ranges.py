@@ -11,10 +11,10 @@ import pytest
 
 import train
 from launch import write_config
-from picotron import config_ranges
+from picotron.config import ranges as config_ranges
 from picotron.config import Config, ConfigError, config_from_dict, load_config
-from picotron.config_ranges import CHECKED_WITH_THE_LAYOUT, RANGES
-from picotron.output_paths import check_output_dirs
+from picotron.config.ranges import CHECKED_WITH_THE_LAYOUT, RANGES
+from picotron.run.output_paths import check_output_dirs
 
 NAN, INF = float("nan"), float("inf")
 

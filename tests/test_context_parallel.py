@@ -25,8 +25,7 @@ from launch import ROOT, final_weights, launch_many, launch_script, read_metrics
 
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.context_parallel.kernels import (fused_block_backward, fused_block_forward,
-                                               reference_block_backward,
-                                               reference_block_forward)
+                                               reference_block_backward, reference_block_forward)
 from picotron.context_parallel.ring_attention import block_plan
 from picotron.context_parallel.sharding import shard_sequence, zigzag_positions
 

@@ -10,8 +10,8 @@ import torch
 from launch import ROOT, launch_script, write_config
 from tiny import documents, tiny_tokenizer, write_formats
 from picotron.config import Config
-from picotron.data import (DataError, StepBatches, SyntheticData, build_data, build_train_val,
-                           data_state, micro_batch)
+from picotron.data.windows import (DataError, StepBatches, SyntheticData, build_data,
+                                   build_train_val, data_state, micro_batch)
 from picotron.process_group_manager import ProcessGroupManager
 
 SEQ = 32
@@ -188,7 +188,7 @@ def test_a_file_edited_in_place_is_another_run_to_a_resume(tmp_path):
     """Same size, same number of windows, other tokens: the stream's sha256 tells them apart
     (a rewrite of the same text does not)."""
     import time
-    from picotron.checkpoint_changes import run_changes
+    from picotron.checkpoint.changes import run_changes
     path = tmp_path / "docs.txt"
     path.write_text("alpha beta gamma\n" * 200)
     c = config_for(str(path))

@@ -8,7 +8,7 @@ import torch
 from launch import (ROOT, final_weights, launch, launch_many, launch_script, read_metrics,
                     write_config)
 from picotron.data_parallel.loss_scaler import DynamicLossScaler
-from picotron.shards import load_full_weights
+from picotron.checkpoint.shards import load_full_weights
 
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
         "--num_hidden_layers", "2", "--seq_len", "32", "--mbs", "2", "--total_train_steps", "5",

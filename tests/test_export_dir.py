@@ -1,7 +1,7 @@
-"""export_hf.py writes only picotron's own folders (picotron/export_dir.py): a downloaded model
-is refused and left byte for byte; an earlier export is replaced whole (its stale files gone,
-a person's added files kept) and loads in transformers; a failed export leaves it whole; a
-killed export's staging folder is removed by a later one."""
+"""export_hf.py writes only picotron's own folders (picotron/checkpoint/export_dir.py): a downloaded
+model is refused and left byte for byte; an earlier export is replaced whole (its stale files gone,
+a person's added files kept) and loads in transformers; a failed export leaves it whole; a killed
+export's staging folder is removed by a later one."""
 import json
 import os
 import time
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from checkpoint_helpers import build, save_at, tiny_config
-from picotron.export_dir import MARKER, STAGING_PREFIX, STALE_STAGING_S, ExportError
-from picotron.generate import load_for_inference
-from picotron.hf_io import export_hf
+from picotron.checkpoint.export_dir import MARKER, STAGING_PREFIX, STALE_STAGING_S, ExportError
+from picotron.run.generate import load_for_inference
+from picotron.checkpoint.hf_io import export_hf
 
 DOWNLOADED = {"config.json": '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}',
               "model-00001-of-00002.safetensors": "first shard",

@@ -6,7 +6,7 @@
 - SIGTERM to torchrun (a scheduler's notice) and SIGINT (Ctrl-C): every rank stops after the
   same step, a checkpoint is saved, the exit status says so, and the resume is exact;
 - a frozen rank (SIGSTOP): every other rank stops within distributed.heartbeat_s plus one
-  interval, naming the frozen rank (picotron/watchdog.py);
+  interval, naming the frozen rank (picotron/run/watchdog.py);
 - kill -9 of torchrun itself: its workers exit instead of training on;
 - a save that cannot start (its directory cannot be made): every rank stops with one message
   naming the checkpoint and the fix, and the checkpoints before it resume exactly.

@@ -15,9 +15,9 @@ from launch import ROOT, launch_script, write_config
 from tiny import import_triton
 from picotron.config import Config, DistributedConfig, ModelConfig, TrainingConfig
 from picotron.model import Decoder
-from picotron.speed import fp8 as fp8_module
-from picotron.speed.fp8 import E4M3, E5M2, fp8_linear
-from picotron.speed.fp8_layers import (Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear,
+from picotron.speed.fp8 import linear as fp8_module
+from picotron.speed.fp8.linear import E4M3, E5M2, fp8_linear
+from picotron.speed.fp8.layers import (Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear,
                                        apply_fp8)
 from picotron.speed.recompute import apply_activation_checkpointing
 from picotron.tensor_parallel import apply_tensor_parallel
@@ -109,9 +109,9 @@ def test_fp8_swiglu_linear_is_swiglu_then_the_fp8_linear(recipe):
 def assert_swiglu_kept_equals_recomputed(gu, w, dy, recipe):
     """Fp8SwiGLULinear (h recomputed in backward) against the SwiGLU then the FP8 linear (h
     kept): output and both gradients bitwise equal. Shared with tests/test_fp8_gpu.py."""
-    from picotron.speed.fp8 import recipe_of
-    from picotron.speed.fp8_triton import Fp8SwiGLULinear
-    from picotron.speed.triton_swiglu import swiglu_packed
+    from picotron.speed.fp8.linear import recipe_of
+    from picotron.speed.fp8.triton_layers import Fp8SwiGLULinear
+    from picotron.speed.kernels.triton_swiglu import swiglu_packed
     results = []
     for fn in (lambda g, w: fp8_linear(swiglu_packed(g * 1), [w], recipe),
                lambda g, w: Fp8SwiGLULinear.apply(g * 1, recipe_of(recipe), None, None, None,
@@ -164,8 +164,8 @@ def test_sharded_and_fused_projections_are_swapped():
     """Under tp = 2 (on the meta device): column-parallel projections scale over the TP group
     on their outputs, row-parallel on their inputs; with model.kernels='triton' the fused q/k/v
     and gate/up blocks become their FP8 subclasses too."""
-    from picotron.speed.fp8_triton import Fp8TritonAttention, Fp8TritonMLP
-    from picotron.speed.kernels import apply_kernels
+    from picotron.speed.fp8.triton_layers import Fp8TritonAttention, Fp8TritonMLP
+    from picotron.speed.kernels.swap import apply_kernels
     config = fp8_config(kernels="triton", tp=2)
     pgm = SimpleNamespace(tp_rank=0, tp_size=2, tp_group="the tp group")
     with torch.device("meta"):
@@ -208,7 +208,7 @@ def test_fp8_with_our_kernels_recomputes_exactly(recipe, mode):
     import_triton()
     from picotron.loss import causal_lm_loss
     from picotron.speed import apply_speed
-    from picotron.speed.fp8_triton import Fp8TritonAttention, Fp8TritonMLP
+    from picotron.speed.fp8.triton_layers import Fp8TritonAttention, Fp8TritonMLP
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     grads = []
     for checkpointing in ("none", mode):
@@ -230,7 +230,7 @@ def test_fp8_trains_like_the_reference_on_cpu(tmp_path):
     reference's (the bar FP8 training is held to). The loaded config refuses FP8 on CPU (no
     FP8 tensor cores), so the field is set after loading; the math is the GPU's."""
     import train
-    from picotron.data import StepBatches, build_train_val
+    from picotron.data.windows import StepBatches, build_train_val
     path = write_config(tmp_path, "fp8", ["--mbs", "4", "--seq_len", "64",
                                           "--total_train_steps", "40"])
     finals = {}

@@ -1,4 +1,4 @@
-"""training.fp8's weight cache (picotron/speed/fp8_weights.py) and the "rowwise_bf16_dw" recipe,
+"""training.fp8's weight cache (picotron/speed/fp8/weights.py) and the "rowwise_bf16_dw" recipe,
 on the GPU where there is one, else on CPU (our Triton kernels in the interpreter there:
 tests/conftest.py sets it only on machines without a GPU).
 
@@ -21,7 +21,7 @@ from launch import write_config
 from tiny import import_triton
 from picotron.model import Decoder
 from picotron.speed import apply_speed
-from picotron.speed.fp8 import fp8_linear
+from picotron.speed.fp8.linear import fp8_linear
 from test_fp8 import fp8_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,7 +112,7 @@ def test_the_optimizer_step_recasts(tmp_path, fused_adam):
     if fused_adam:
         import_triton()
     import train
-    from picotron.data import StepBatches, build_train_val
+    from picotron.data.windows import StepBatches, build_train_val
     from picotron.speed.adamw import TritonAdamW
     # The debug model cut to 2 narrow layers: on CI, TritonAdamW runs in Triton's interpreter.
     path = write_config(tmp_path, "fp8", ["--mbs", "2", "--seq_len", "32", "--grad_acc_steps",
@@ -173,7 +173,7 @@ def test_in_place_caches_refresh_into_the_same_tensors(recipe):
     into the very tensors the capture read, with the bits a new cache would cast; then the
     forward hits. A forward without gradients after an update (validation) recasts W^T too,
     which the next backward reads."""
-    from picotron.speed.fp8_weights import Fp8WeightCache
+    from picotron.speed.fp8.weights import Fp8WeightCache
     model, loss_fn = build(recipe, "torch", "none")
     found = caches(model)
     for cache in found.values():
@@ -217,7 +217,7 @@ def test_in_place_caches_refresh_into_the_same_tensors(recipe):
 def test_in_place_recast_of_a_late_transpose(recipe):
     """W^T cast after W (a first forward without gradients, then training): recast in place
     writes it too, scale included (tensorwise: W's one scale serves both layouts, one tensor)."""
-    from picotron.speed.fp8_weights import Fp8WeightCache
+    from picotron.speed.fp8.weights import Fp8WeightCache
     model, loss_fn = build(recipe, "torch", "none")
     found = caches(model)
     for cache in found.values():
@@ -245,7 +245,7 @@ def test_in_place_recast_of_a_late_transpose(recipe):
 
 def test_no_cache_under_zero3():
     """ZeRO-3 holds only the layer in use whole: the FP8 modules cast at each use instead."""
-    from picotron.speed.fp8_layers import apply_fp8
+    from picotron.speed.fp8.layers import apply_fp8
     config = fp8_config("rowwise")
     model = apply_fp8(Decoder(config.model), config)
     assert len(caches(model)) == 7 * 2

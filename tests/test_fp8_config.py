@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from picotron import config_features
+from picotron.config import features as config_features
 from picotron.config import ConfigError, config_from_dict
 from picotron.model import Decoder
-from picotron.speed import fp8_layers
-from picotron.speed.fp8_layers import Fp8Linear, apply_fp8, check_fp8_device, settle_auto_fp8
+from picotron.speed.fp8 import layers as fp8_layers
+from picotron.speed.fp8.layers import Fp8Linear, apply_fp8, check_fp8_device, settle_auto_fp8
 from test_fp8 import fp8_config
 
 def test_none_changes_nothing():

@@ -1,4 +1,4 @@
-"""training.fp8="tensorwise_delayed" (picotron/speed/fp8_delayed.py) on CPU: the first step is
+"""training.fp8="tensorwise_delayed" (picotron/speed/fp8/delayed.py) on CPU: the first step is
 tensorwise's, later steps cast with the previous step's amaxes, and data parallelism rolls
 them to the scales one process computes with gradient accumulation. Its GPU kernels (the
 cast that records the amax) and CUDA graphs: tests/test_fp8_gpu.py, test_cuda_graphs_gpu.py."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from launch import ROOT, launch_script, write_config
-from picotron.speed.fp8 import E4M3, E5M2, fp8_linear, scaled_mm
-from picotron.speed.fp8_delayed import AmaxLedger
-from picotron.speed.fp8_quantize import quantize
+from picotron.speed.fp8.linear import E4M3, E5M2, fp8_linear, scaled_mm
+from picotron.speed.fp8.delayed import AmaxLedger
+from picotron.speed.fp8.quantize import quantize
 
 W = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
 
@@ -81,8 +81,8 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path, capsys):
     calibrates afresh, and says so."""
     import train
     from checkpoint_helpers import step_state
-    from picotron.checkpoint import load_checkpoint, save_checkpoint
-    from picotron.data import StepBatches, build_train_val
+    from picotron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
+    from picotron.data.windows import StepBatches, build_train_val
     path = write_config(tmp_path, "resume", ["--grad_acc_steps", "2"] + TINY)
     root = str(tmp_path / "ckpt")
 
@@ -209,7 +209,7 @@ def built(tmp_path, name, flags, recipe="tensorwise_delayed"):
     """One process through train.py's build (TINY + `flags`, training.fp8 = `recipe`, set
     after loading: the config refuses FP8 on CPU): (model, step -> the step's StepValues)."""
     import train
-    from picotron.data import StepBatches, build_train_val
+    from picotron.data.windows import StepBatches, build_train_val
     config, pgm, device = train.setup(write_config(tmp_path, name, TINY + flags))
     config.training.fp8 = recipe
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)

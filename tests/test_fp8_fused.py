@@ -1,4 +1,4 @@
-"""The FP8 casts fused into the SwiGLU kernels (picotron/speed/fp8_fused.py) against the
+"""The FP8 casts fused into the SwiGLU kernels (picotron/speed/fp8/fused.py) against the
 unfused path, bit for bit, on CPU through Triton's interpreter (tests/conftest.py):
 
 - the kernels: h's cast (forward) and d(gu)'s cast (backward) equal fp8_quantize.reference's
@@ -17,9 +17,11 @@ import torch
 
 from tiny import import_triton
 import_triton()
-from picotron.speed import fp8_fused, fp8_quantize, fp8_triton  # noqa: E402
-from picotron.speed.fp8_quantize import E4M3, reference, reference_amax  # noqa: E402
-from picotron.speed.triton_swiglu import _swiglu_backward, _swiglu_forward  # noqa: E402
+from picotron.speed.fp8 import fused as fp8_fused  # noqa: E402
+from picotron.speed.fp8 import quantize as fp8_quantize  # noqa: E402
+from picotron.speed.fp8 import triton_layers as fp8_triton  # noqa: E402
+from picotron.speed.fp8.quantize import E4M3, reference, reference_amax  # noqa: E402
+from picotron.speed.kernels.triton_swiglu import _swiglu_backward, _swiglu_forward  # noqa: E402
 from test_fp8 import fp8_config  # noqa: E402
 from test_fp8_kernels import assert_same  # noqa: E402
 
@@ -187,9 +189,9 @@ def test_the_handoff_refuses_another_gradient():
 
 
 def test_fp8_only_swiglu_is_the_unfused_delayed_path(monkeypatch):
-    """"tensorwise_delayed" (calibrating step 1, then steps with the last step's amaxes): with
-    the fusion, steps 2 and 3 run the SwiGLU kernels that write only FP8 (h_q forward;
-    d(gu)_q, d(gu)_q^T and h^T_q backward, fp8_delayed_swiglu.py). Output, every gradient and
+    """"tensorwise_delayed" (calibrating step 1, then steps with the last step's amaxes): with the
+    fusion, steps 2 and 3 run the SwiGLU kernels that write only FP8 (h_q forward; d(gu)_q,
+    d(gu)_q^T and h^T_q backward, picotron/speed/fp8/delayed_swiglu.py). Output, every gradient and
     the amaxes recorded for the next step: bitwise those of the separate casts."""
     monkeypatch.setattr(fp8_quantize, "use_kernels", lambda t: True)
     ran, results = [], []

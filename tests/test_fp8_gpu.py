@@ -3,12 +3,12 @@
     python -m pytest -q tests/test_fp8_gpu.py
 
 - the recomputing FP8 SwiGLU + down projection against the SwiGLU then the FP8 linear;
-- the rowwise casts fused into the SwiGLU kernels (fp8_fused.py) against the reference's cast
-  of the unfused kernels' outputs, and the FP8 MLP with them against without, bit for bit, at
-  1.7B's widths (tests/test_fp8_fused.py's checks);
-- the cast kernels (fp8_cast.py) against fp8_quantize.reference, bit for bit, at SmolLM-360M's
-  and 1.7B's projection shapes, every scaling and format (tests/test_fp8_kernels.py runs
-  here too, on small shapes);
+- the rowwise casts fused into the SwiGLU kernels (picotron/speed/fp8/fused.py) against the
+  reference's cast of the unfused kernels' outputs, and the FP8 MLP with them against without, bit
+  for bit, at 1.7B's widths (tests/test_fp8_fused.py's checks);
+- the cast kernels (picotron/speed/fp8/cast.py) against fp8_quantize.reference, bit for bit, at
+  SmolLM-360M's and 1.7B's projection shapes, every scaling and format (tests/test_fp8_kernels.py
+  runs here too, on small shapes);
 - the FP8 linear (our cast kernels, cuBLAS FP8 GEMMs) at a SmolLM-360M projection's shape in
   bf16, forward and both gradients, within test_fp8.product_bound plus the bf16 output's
   rounding, every recipe; the reference casts (torch, op by op) within the same bound and
@@ -33,9 +33,9 @@ pytestmark = pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 (
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402
 from launch import launch, read_metrics  # noqa: E402
-from picotron.speed import fp8_quantize  # noqa: E402
-from picotron.speed.fp8 import E4M3, E5M2, fp8_linear  # noqa: E402
-from picotron.speed.fp8_quantize import quantize, reference, reference_amax  # noqa: E402
+from picotron.speed.fp8 import quantize as fp8_quantize  # noqa: E402
+from picotron.speed.fp8.linear import E4M3, E5M2, fp8_linear  # noqa: E402
+from picotron.speed.fp8.quantize import quantize, reference, reference_amax  # noqa: E402
 from test_fp8 import assert_swiglu_kept_equals_recomputed, product_bound  # noqa: E402
 from test_fp8_fused import (assert_fused_casts_are_the_reference,  # noqa: E402
                             assert_fused_mlp_is_unfused, fp8_mlp, swiglu_operands)

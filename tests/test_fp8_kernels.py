@@ -1,4 +1,4 @@
-"""training.fp8's casts as Triton kernels (picotron/speed/fp8_cast.py) against
+"""training.fp8's casts as Triton kernels (picotron/speed/fp8/cast.py) against
 fp8_quantize.reference, bit for bit: q, q^T and the scales, for every scaling and format.
 
 On CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET), whose own
@@ -15,11 +15,11 @@ from tiny import import_triton
 triton = import_triton()
 import triton.language as tl  # noqa: E402
 
-from picotron.speed import fp8_cast, fp8_quantize  # noqa: E402
-from picotron.speed.fp8 import fp8_linear  # noqa: E402
-from picotron.speed.fp8_delayed import SLOT_STRIDE, SLOTS  # noqa: E402
-from picotron.speed.fp8_quantize import (E4M3, E5M2, FORMATS, quantize, reference,  # noqa: E402
-                                         reference_amax)
+from picotron.speed.fp8 import cast as fp8_cast, quantize as fp8_quantize  # noqa: E402
+from picotron.speed.fp8.linear import fp8_linear  # noqa: E402
+from picotron.speed.fp8.delayed import SLOT_STRIDE, SLOTS  # noqa: E402
+from picotron.speed.fp8.quantize import (E4M3, E5M2, FORMATS, quantize,  # noqa: E402
+                                         reference, reference_amax)
 
 FP8 = (E4M3, E5M2)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,9 +121,9 @@ def test_a_nan_is_the_amax():
 
 
 def test_the_cast_records_the_amax_of_what_it_casts(monkeypatch):
-    """Delayed scaling's cast (fp8_delayed.py): a given amax (here half the tensor's, so
-    values saturate) and the tensor's own amax recorded as the cast runs: q, q^T and the
-    scale bitwise the reference's for that amax, the record bitwise reference_amax."""
+    """Delayed scaling's cast (picotron/speed/fp8/delayed.py): a given amax (here half the tensor's,
+    so values saturate) and the tensor's own amax recorded as the cast runs: q, q^T and the scale
+    bitwise the reference's for that amax, the record bitwise reference_amax."""
     monkeypatch.setattr(fp8_quantize, "use_kernels", lambda x: True)
     for (n, k, pad), fmt in [(c, f) for c in [(70, 200, 0), (33, 300, 8)] for f in FP8]:
         x = operand(n, k, torch.bfloat16, pad)
@@ -148,7 +148,7 @@ def test_the_cast_records_the_amax_of_what_it_casts(monkeypatch):
 def test_delayed_fp8_linear_through_the_kernels(monkeypatch):
     """"tensorwise_delayed" over three steps (calibrating, then the last step's amaxes): the
     kernels give bitwise the reference's outputs, gradients and recorded amaxes."""
-    from picotron.speed.fp8_delayed import AmaxLedger
+    from picotron.speed.fp8.delayed import AmaxLedger
     torch.manual_seed(0)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     x = torch.randn(2, 24, 64, device=DEVICE, dtype=dtype)

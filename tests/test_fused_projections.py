@@ -1,5 +1,5 @@
-"""Fused projections (picotron/speed/fused_linear.py) and the packed SwiGLU kernel
-(picotron/speed/triton_swiglu.py) against their readable references, forward and backward.
+"""Fused projections (picotron/speed/kernels/fused_linear.py) and the packed SwiGLU kernel
+(picotron/speed/kernels/triton_swiglu.py) against their readable references, forward and backward.
 
 Runs on CPU (Triton's interpreter, set by conftest.py, at small sizes: C = 36, an odd I = 37
 and an I that spans two column blocks with a tail) and, where there is a GPU, at
@@ -17,10 +17,10 @@ Tolerances (relative L2 error over the whole tensor):
 import pytest
 import torch
 
-from picotron.speed.fused_linear import fused_linear, fused_linear_reference, stacked
+from picotron.speed.kernels.fused_linear import fused_linear, fused_linear_reference, stacked
 from picotron.speed.recompute import checkpointed
-from picotron.speed.triton_swiglu import (swiglu_linear, swiglu_linear_reference, swiglu_packed,
-                                        swiglu_packed_reference)
+from picotron.speed.kernels.triton_swiglu import (swiglu_linear, swiglu_linear_reference,
+                                                  swiglu_packed, swiglu_packed_reference)
 
 CUDA = torch.cuda.is_available()
 # Triton kernels run on CPU tensors only in the interpreter (conftest.py sets it when there is

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import generate
-from picotron.checkpoint import CheckpointError, checkpoint_to_read
-from picotron.generate import load_for_inference, sample
-from picotron.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
+from picotron.checkpoint.checkpoint import CheckpointError, checkpoint_to_read
+from picotron.run.generate import load_for_inference, sample
+from picotron.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from checkpoint_helpers import build, save_at, tiny_config, train_one
 from tiny import documents, tiny_tokenizer
 
@@ -116,7 +116,7 @@ def test_a_model_trained_on_bytes_samples_bytes_whatever_its_name():
     """SmolLM-135M's shape trained on the embedded corpus (or a file's byte range) saw byte
     tokens: generate and export take the byte tokenizer, not the hub tokenizer of the name."""
     from picotron.config import config_from_dict
-    from picotron.tokenizer import tokenizer_source
+    from picotron.data.tokenizer import tokenizer_source
     model = {"name": "SmolLM-135M", "vocab_size": 49152}      # a preset with a hub tokenizer
     on_bytes = config_from_dict({"model": model, "dataset": {"name": "embedded"}})
     assert tokenizer_source(on_bytes) == "byte"

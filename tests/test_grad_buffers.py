@@ -56,7 +56,7 @@ def test_buckets_lay_fused_projection_weights_back_to_back(tmp_path):
     """GradBuckets keeps each module's parameters in definition order (buckets.gradient_order),
     so the fused projections find q, k, v and gate, up adjacent and use them in place."""
     from picotron.data_parallel import GradBuckets
-    from picotron.speed.fused_linear import stacked
+    from picotron.speed.kernels.fused_linear import stacked
     path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "layout", *TINY])
     config, pgm, device = train.setup(path)
     model = train.build_model(config, pgm, device)

@@ -8,14 +8,14 @@ import torch
 
 from launch import launch, read_metrics, write_config
 from test_hf_io import hf_greedy, our_model, save_tiny_checkpoint
-from picotron.checkpoint import CheckpointError
+from picotron.checkpoint.checkpoint import CheckpointError
 from picotron.config import ConfigError, ModelConfig
-from picotron.data import build_data, micro_batch
-from picotron.generate import load_for_inference, sample
-from picotron.hf_cohere import from_cohere_rows, to_cohere_rows
-from picotron.hf_io import export_hf, load_hf_weights
+from picotron.data.windows import build_data, micro_batch
+from picotron.run.generate import load_for_inference, sample
+from picotron.checkpoint.hf_cohere import from_cohere_rows, to_cohere_rows
+from picotron.checkpoint.hf_io import export_hf, load_hf_weights
 from picotron.loss import causal_lm_loss
-from picotron.presets import resolve_model
+from picotron.config.presets import resolve_model
 from picotron.process_group_manager import ProcessGroupManager
 
 PALM = {"parallel_residual": True, "norm_type": "layernorm", "rms_norm_eps": 1e-6,

@@ -12,14 +12,14 @@ import torch.nn as nn
 
 from launch import ROOT, launch, read_metrics, write_config
 from tiny import documents, one_process_group, tiny_llama, tiny_tokenizer
-from picotron.checkpoint import CheckpointError, save_checkpoint
+from picotron.checkpoint.checkpoint import CheckpointError, save_checkpoint
 from picotron.config import Config, ConfigError, ModelConfig
-from picotron.data import DataError, build_data, micro_batch
-from picotron.generate import filter_top_k, load_for_inference, sample
-from picotron.hf_io import export_hf, load_hf_weights
+from picotron.data.windows import DataError, build_data, micro_batch
+from picotron.run.generate import filter_top_k, load_for_inference, sample
+from picotron.checkpoint.hf_io import export_hf, load_hf_weights
 from picotron.loss import causal_lm_loss
 from picotron.model import Decoder, materialize
-from picotron.presets import resolve_model
+from picotron.config.presets import resolve_model
 from picotron.process_group_manager import ProcessGroupManager
 
 

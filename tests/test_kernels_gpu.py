@@ -1,10 +1,10 @@
 """The CUDA-only fast paths against the readable PyTorch references, forward and backward.
 
 Each module of both fast kinds, model.kernels = "liger" and "triton" (our kernels with fused
-projections: the subclasses speed/kernels.py swaps in), and the whole model with each. Skipped without a GPU (CI has none; the Triton
-kernels' own tests run there in Triton's interpreter): run on the device with `python -m
-pytest tests/test_kernels_gpu.py`. Inputs are fresh random draws at SmolLM-360M's widths
-(C=960, I=2560, D=64, 15/5 heads), never zeros.
+projections: the subclasses speed/kernels/swap.py swaps in), and the whole model with each. Skipped
+without a GPU (CI has none; the Triton kernels' own tests run there in Triton's interpreter): run on
+the device with `python -m pytest tests/test_kernels_gpu.py`. Inputs are fresh random draws at
+SmolLM-360M's widths (C=960, I=2560, D=64, 15/5 heads), never zeros.
 
 Tolerances: the reference and the fast path both compute in fp32 internally and round their
 bf16 outputs once, so outputs differ by at most a bf16 rounding (2^-8 = 3.9e-3 relative) in
@@ -24,9 +24,9 @@ from picotron.config import ModelConfig
 from picotron.loss import causal_lm_loss
 from picotron.model import Attention, LayerNorm, MLP, RMSNorm, rope_cos_sin
 from picotron.attention import sdpa_attention
-from picotron.speed.kernels import fast_classes
+from picotron.speed.kernels.swap import fast_classes
 from picotron.speed.loss import chunked_linear_cross_entropy
-from picotron.speed.triton_loss import triton_linear_cross_entropy
+from picotron.speed.kernels.triton_loss import triton_linear_cross_entropy
 from speed_helpers import build_with_speed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,4 +1,4 @@
-"""The memory estimate (picotron/memory_plan.py): against a measured CPU training step, against
+"""The memory estimate (picotron/run/memory_plan.py): against a measured CPU training step, against
 the tensors autograd saves, in how it scales with the layout, and the refusal it makes."""
 import json
 import os
@@ -12,9 +12,9 @@ import torch
 from launch import ROOT
 from picotron.attention import eager_attention, sdpa_attention
 from picotron.config import config_from_dict
-from picotron.memory_activations import in_flight, layer_bytes, rank_layer_spans
-from picotron.memory_plan import (GiB, describe, estimate, fp8_auto_note, memory_errors,
-                                   rank_params)
+from picotron.run.memory_activations import in_flight, layer_bytes, rank_layer_spans
+from picotron.run.memory_plan import (GiB, describe, estimate, fp8_auto_note, memory_errors,
+                                      rank_params)
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel.schedules import peak_alive, schedule_orders
 from picotron.pipeline_parallel.stage import rank_chunks
@@ -146,7 +146,7 @@ def test_a_plan_made_without_an_fp8_gpu_says_what_auto_adds_on_one(monkeypatch):
     """On a machine without FP8 tensor cores training.fp8=auto counts as none; the command
     line then says what a GPU that has them adds: the FP8 weight copies, 2 B a projection
     parameter. Nothing to say for a model auto keeps in bf16, or a CPU run."""
-    from picotron import config_features
+    from picotron.config import features as config_features
     monkeypatch.setattr(config_features, "fp8_tensor_cores", lambda: False)
     wide = {"model": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 2,
                       "num_attention_heads": 16, "num_key_value_heads": 4},
@@ -237,7 +237,7 @@ def test_train_refuses_absurd_sizes_quickly_without_allocating(tmp_path):
 
 
 def test_the_command_line_names_a_bad_config_without_a_traceback(tmp_path, capsys):
-    from picotron.memory_plan import main
+    from picotron.run.memory_plan import main
     bad = tmp_path / "config.json"
     bad.write_text("[1, 2]")
     for path, words in ((str(tmp_path / "missing.json"), "missing.json' does not exist"),
@@ -253,7 +253,7 @@ def test_the_command_line_says_whether_the_config_fits_this_machine(tmp_path, ca
                                                                     monkeypatch):
     """After the table, the verdict train.py's check would give here: fits (exit 0), or its
     refusal with the changes that would fit (exit 1)."""
-    from picotron import memory_plan
+    from picotron.run import memory_plan
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config().to_dict()))
     memory_plan.main([str(path)])

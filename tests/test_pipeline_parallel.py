@@ -175,7 +175,7 @@ PEAK_PROBE = """
 import json, torch, torch.distributed as dist
 import train
 from picotron.config import config_from_dict
-from picotron.data import build_data, micro_batch
+from picotron.data.windows import build_data, micro_batch
 from picotron.loss import causal_lm_loss
 from picotron.pipeline_parallel.engine import run_steps, steps_for
 from picotron.pipeline_parallel.stage import rank_chunks

@@ -1,5 +1,5 @@
 """create_config.py refuses, before writing anything, a config whose data or tokenizer this
-machine cannot find (picotron/preflight.py): a missing local path, files of two formats, a
+machine cannot find (picotron/run/preflight.py): a missing local path, files of two formats, a
 text column the file does not have, a split a single file or a folder's file names do not
 make, a tokenizer that does not load or does not fit the vocabulary, and a hub id that is
 neither cached nor reachable. Each message names the option and the fix. The hub is never
@@ -10,7 +10,7 @@ import socket
 import pytest
 
 import create_config
-from picotron import preflight
+from picotron.run import preflight
 from tiny import documents, tiny_tokenizer, write_formats
 
 OFFLINE = "HF_HUB_OFFLINE=1 is set"

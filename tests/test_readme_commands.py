@@ -19,7 +19,7 @@ import sys
 import torch
 
 from launch import ROOT, read_metrics
-from picotron.data import embedded_corpus_bytes
+from picotron.data.windows import embedded_corpus_bytes
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
                "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gb", "step_time_s"}

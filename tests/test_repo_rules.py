@@ -12,18 +12,23 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The package's layers, lowest first: a module may import modules of its own layer or lower.
-# A name covers the module and everything below it; a module named nowhere is in "run".
+# The package's layers, lowest first, by folder: a module may import modules of its own layer
+# or lower. A name covers the module or folder and everything below it; every module of the
+# package must fall under one (a new file goes into the wing it serves). The top of picotron/
+# holds the base and the course (grid, model, loss, the four axes); the wings come after them,
+# and speed/ last: nothing below it knows the fast paths exist.
 LAYERS = [
-    ("config", ["picotron.config", "picotron.config_checks", "picotron.config_features",
-                "picotron.config_sections",
-                "picotron.config_ranges", "picotron.overrides", "picotron.presets",
-                "picotron.errors"]),
-    ("grid", ["picotron.process_group_manager", "picotron.comm"]),
-    ("model", ["picotron.model", "picotron.attention", "picotron.loss"]),
+    ("base", ["picotron.errors", "picotron.utils", "picotron.comm"]),
+    ("config", ["picotron.config"]),
+    ("grid", ["picotron.process_group_manager"]),
+    ("model", ["picotron.attention", "picotron.model", "picotron.loss"]),
     ("axes", ["picotron.tensor_parallel", "picotron.pipeline_parallel",
               "picotron.context_parallel", "picotron.data_parallel"]),
-    ("run", []),        # data, tokenizer, checkpoint, shards, hf_io, validation, utils, ...
+    ("data", ["picotron.data"]),
+    ("checkpoint", ["picotron.checkpoint"]),
+    ("run", ["picotron.run"]),
+    ("speed.kernels", ["picotron.speed.kernels"]),
+    ("speed.fp8", ["picotron.speed.fp8"]),
     ("speed", ["picotron.speed"]),
 ]
 # model.py is the readable reference the fast paths are tested against: it imports only these
@@ -60,11 +65,12 @@ def test_every_python_file_is_under_300_lines():
     assert not long, f"files of 300 lines or more (split them): {long}"
 
 
-def layer_of(module: str) -> int:
+def layer_of(module: str):
+    """The index in LAYERS of the first entry that covers `module`; None if none does."""
     for i, (_, names) in enumerate(LAYERS):
         if any(module == n or module.startswith(n + ".") for n in names):
             return i
-    return [name for name, _ in LAYERS].index("run")
+    return None
 
 
 def imports_of(path: str, resolve) -> list:
@@ -136,9 +142,13 @@ def package_problems() -> list:
     for module, path in sorted(modules.items()):
         found = imports_of(path, package_resolver(modules))
         graph[module] = {m for _, m in found if m != module}
+        if layer_of(module) is None:
+            problems.append(f"{path}: {module} is in no layer of LAYERS: move it into the wing "
+                            f"it serves (or, for a new wing, add the wing to LAYERS)")
+            continue
         problems += [f"{path}:{line}: {module} ({LAYERS[layer_of(module)][0]}) imports {m} "
                      f"({LAYERS[layer_of(m)][0]}), a higher layer"
-                     for line, m in found if layer_of(m) > layer_of(module)]
+                     for line, m in found if m in modules and layer_of(m) > layer_of(module)]
         problems += [f"{path}:{line}: {module} imports {m}, which is no module here (renamed?)"
                      for line, m in found if m not in modules]
     return problems + ["import cycle: " + " -> ".join(c) for c in find_cycles(graph)]

@@ -13,10 +13,10 @@ import create_config
 from launch import read_metrics, write_config
 from test_train_cli import TINY, train
 from tiny import one_process_group
-from picotron.checkpoint import (SharedCheckpointError, find_checkpoint, resolve_checkpoint,
-                                 save_checkpoint)
-from picotron.hf_io import load_hf_weights
-from picotron.checkpoint_verify import latest_written, step_names
+from picotron.checkpoint.checkpoint import (SharedCheckpointError, find_checkpoint,
+                                            resolve_checkpoint, save_checkpoint)
+from picotron.checkpoint.hf_io import load_hf_weights
+from picotron.checkpoint.verify import latest_written, step_names
 from picotron.config import Config
 from picotron.model import Decoder, materialize
 

@@ -17,7 +17,7 @@ import create_config
 import plot
 import train
 from picotron.config import Config, MissingPackage
-from picotron.metrics_log import MetricsLog, finite_or_null
+from picotron.run.metrics_log import MetricsLog, finite_or_null
 
 
 def strict_records(path) -> list:

@@ -1,4 +1,4 @@
-"""`--set section.key=value` on the command line (picotron/overrides.py): a key given twice
+"""`--set section.key=value` on the command line (picotron/config/overrides.py): a key given twice
 takes the last, with a warning naming both spellings (scripts append overrides to a base list;
 a person who typed both learns which one is used); a text key takes a number or true/false as
 the text typed."""
@@ -10,8 +10,8 @@ import torch
 from launch import write_config
 from tiny import one_process_group
 from picotron.config import ConfigError, load_config
-from picotron.overrides import repeated_keys
-from picotron.run_report import describe_run
+from picotron.config.overrides import repeated_keys
+from picotron.run.report import describe_run
 
 BASE = ["--dataset_name", "synthetic", "--skip_local_checks"]
 

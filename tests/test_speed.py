@@ -68,7 +68,7 @@ def test_fused_loss_in_fp16_keeps_small_gradients(impl):
     fp16 loss's error (3.3e-4 / 3.9e-4 measured)."""
     if impl == "triton":
         import_triton()
-        from picotron.speed.triton_loss import triton_linear_cross_entropy as fused
+        from picotron.speed.kernels.triton_loss import triton_linear_cross_entropy as fused
     else:
         fused = chunked_linear_cross_entropy
     device = "cuda" if torch.cuda.is_available() and impl == "triton" else "cpu"

@@ -1,4 +1,4 @@
-"""picotron/step_log.py: one record per step, logged one step behind, each step timed by its own
+"""picotron/run/step_log.py: one record per step, logged one step behind, each step timed by its own
 start and end marks (never by the host's time between two log calls).
 
 The fake steps below make no model: a step is `start()`, a small op on the device, WORK_S of
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from picotron.config import Config
-from picotron.step_log import StepLog
-from picotron.metrics_log import MetricsLog
+from picotron.run.step_log import StepLog
+from picotron.run.metrics_log import MetricsLog
 from picotron.utils import StepValues
 
 WORK_S = 0.05          # one step's work

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402
 import train  # noqa: E402
-from picotron.data import StepBatches, build_train_val  # noqa: E402
+from picotron.data.windows import StepBatches, build_train_val  # noqa: E402
 from picotron.utils import StepValues  # noqa: E402
 
 

@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-import picotron.config_ranges as config_ranges
-import picotron.tokenized_data as tokenized_data
+import picotron.config.ranges as config_ranges
+import picotron.data.tokenized as tokenized_data
 from tiny import documents, tiny_tokenizer
-from picotron import token_cache
+from picotron.data import token_cache
 from picotron.config import Config
 from picotron.errors import DataError
-from picotron.shards import UMASK
+from picotron.utils import UMASK
 
 
 class Calls:
@@ -201,7 +201,7 @@ def test_two_runs_tokenizing_at_once_leave_one_whole_entry(tmp_path):
     docs = documents(3000)
     source = write_jsonl(tmp_path / "docs.jsonl", docs)
     script = ("import sys; from picotron.config import Config; "
-              "from picotron.tokenized_data import dataset_tokens; c = Config(); "
+              "from picotron.data.tokenized import dataset_tokens; c = Config(); "
               "c.dataset.name, c.dataset.tokenizer, c.dataset.cache_dir = sys.argv[1:4]; "
               "print('TOKENS', len(dataset_tokens(c, 'train', None)[0]))")
     args = [sys.executable, "-c", script, source, "byte", str(tmp_path / "cache")]

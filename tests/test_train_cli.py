@@ -12,7 +12,7 @@ import torch
 
 from launch import ROOT, free_port, write_config
 from picotron.config import Config, ConfigError, load_config
-from picotron.overrides import SECTIONS, apply_overrides
+from picotron.config.overrides import SECTIONS, apply_overrides
 from picotron.utils import set_cpu_threads
 
 TINY = ["--dataset_name", "synthetic", "--seq_len", "32", "--mbs", "2", "--num_hidden_layers",
@@ -118,8 +118,8 @@ def test_an_error_is_said_once_and_named_at_the_end(tmp_path, bad):
 
 def test_likely_mistakes_are_warned_of_with_their_fix(tmp_path, capsys):
     import create_config
-    from picotron.config_checks import config_warnings
-    from picotron.run_report import data_warning
+    from picotron.config.checks import config_warnings
+    from picotron.run.report import data_warning
     config = Config()
     config.training.warmup_steps, config.training.total_train_steps = 10, 10
     assert "--set training.warmup_steps=1" in config_warnings(config)[0]

@@ -1,4 +1,4 @@
-"""picotron/speed/triton_adamw.py against torch.optim.AdamW, step by step.
+"""picotron/speed/kernels/triton_adamw.py against torch.optim.AdamW, step by step.
 
 Runs on a GPU, and on CPU in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET);
 sizes span several blocks plus a ragged tail (BLOCK = 2048).
@@ -19,7 +19,7 @@ import torch
 
 from tiny import import_triton
 triton = import_triton()
-from picotron.speed.triton_adamw import adamw_step  # noqa: E402
+from picotron.speed.kernels.triton_adamw import adamw_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_STEP = 2 ** -7 if DEVICE == "cpu" else 0.0     # see the docstring: the interpreter truncates

@@ -32,8 +32,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from launch import ROOT  # noqa: E402
 from picotron.loss import causal_lm_loss  # noqa: E402
 from picotron.model import Decoder  # noqa: E402
-from picotron.speed import apply_speed, fp8_quantize, triton_loss  # noqa: E402
-from picotron.speed.triton_adamw import adamw_step  # noqa: E402
+from picotron.speed import apply_speed  # noqa: E402
+from picotron.speed.fp8 import quantize as fp8_quantize
+from picotron.speed.kernels import triton_loss
+from picotron.speed.kernels.triton_adamw import adamw_step  # noqa: E402
 from test_fp8 import fp8_config  # noqa: E402
 
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",

@@ -1,5 +1,5 @@
-"""picotron/speed/triton_loss.py (training.fused_loss="triton") against torch's cross_entropy on the
-full logits: loss, gradient of the hidden states and of the head weight.
+"""picotron/speed/kernels/triton_loss.py (training.fused_loss="triton") against torch's
+cross_entropy on the full logits: loss, gradient of the hidden states and of the head weight.
 
 Runs on a GPU, and on CPU in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET) with
 small shapes. The row pass is forced to a 128-column block so that each pass loops over several
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tiny import import_triton
 triton = import_triton()
-from picotron.speed import triton_loss  # noqa: E402
+from picotron.speed.kernels import triton_loss  # noqa: E402
 from picotron.loss import IGNORE_INDEX  # noqa: E402
 from picotron.speed.loss import HeadInLoss, LinearCrossEntropy  # noqa: E402
 

@@ -57,7 +57,7 @@ def test_recomputing_mlp_sums_tensor_parallel_partials():
     through down_proj's forward, so it must still call the row-parallel layer's `reduce` (the
     all-reduce or reduce-scatter of tensor parallelism). A `reduce` that doubles shows it."""
     from picotron.model import MLP
-    from picotron.speed.triton_layers import TritonMLP
+    from picotron.speed.kernels.triton_layers import TritonMLP
 
     class DoublingDown(torch.nn.Linear):
         def reduce(self, partial):
@@ -68,7 +68,7 @@ def test_recomputing_mlp_sums_tensor_parallel_partials():
     mlps = {name: MLP(cfg).to(DEVICE) for name in ("keep", "recompute")}
     mlps["recompute"].load_state_dict(mlps["keep"].state_dict())
     for name, m in mlps.items():
-        m.__class__ = TritonMLP          # as speed/kernels.py swaps it
+        m.__class__ = TritonMLP          # as speed/kernels/swap.py swaps it
     mlps["recompute"].recompute_swiglu = True      # as speed/recompute.py's "selective" sets
     x = torch.randn(2, 5, cfg.hidden_size, device=DEVICE)
     plain = {name: m(x) for name, m in mlps.items()}

@@ -1,5 +1,5 @@
-"""Our Triton RMSNorm and LayerNorm (picotron/speed/triton_norms.py) against the references in
-model.py: the output, dx and dweight, in the input dtype and in float64.
+"""Our Triton RMSNorm and LayerNorm (picotron/speed/kernels/triton_norms.py) against the references
+in model.py: the output, dx and dweight, in the input dtype and in float64.
 
 Runs on CUDA where there is a GPU, else on CPU through Triton's interpreter (conftest.py sets
 TRITON_INTERPRET=1), with small shapes there: C = 36, 100, 576, 960 (not powers of two), and
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from picotron.model import layer_norm, rms_norm
-from picotron.speed import triton_norms
+from picotron.speed.kernels import triton_norms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 5, 36), (4, 33, 100), (5, 13, 576), (2, 7, 960)]

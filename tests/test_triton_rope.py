@@ -1,4 +1,5 @@
-"""picotron/speed/triton_rope.py against the reference: split the packed projection, model.apply_rope.
+"""picotron/speed/kernels/triton_rope.py against the reference: split the packed projection,
+model.apply_rope.
 
 Runs on a GPU, and on CPU in Triton's interpreter (tests/conftest.py). Positions are shuffled
 (context parallelism hands a rank two distant chunks), head dims include 6 (D/2 = 3, not a
@@ -16,7 +17,7 @@ import torch
 from tiny import import_triton
 import_triton()
 from picotron.model import apply_rope, rope_cos_sin  # noqa: E402
-from picotron.speed.triton_rope import qkv_rope  # noqa: E402
+from picotron.speed.kernels.triton_rope import qkv_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_STEP = 2 ** -7 if DEVICE == "cpu" else 0.0

@@ -15,7 +15,7 @@ import torch
 
 import create_config
 from picotron.config import ConfigError, config_from_dict
-from picotron.hf_io import export_hf
+from picotron.checkpoint.hf_io import export_hf
 from launch import ROOT, final_weights, launch_many, launch_script, read_metrics, write_config
 from test_4d import FLAT, STEPS, TINY, assert_same_losses, assert_same_weights
 

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 from picotron.context_parallel.kernels import (fused_block_backward, fused_block_forward,
-                                               reference_block_backward,
-                                               reference_block_forward)
+                                               reference_block_backward, reference_block_forward)
 
 
 def block_plan(cp_rank: int, src_rank: int, T: int):

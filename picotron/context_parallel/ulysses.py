@@ -8,7 +8,7 @@ Before attention every rank holds all heads of its T tokens. One all-to-all give
 N/cp heads of all cp*T tokens; it runs ordinary causal attention (the model's own kernel) on
 them, and a second all-to-all brings the output back to all heads of its own tokens. Ring
 attention sends K/V cp-1 times around; Ulysses moves q, k, v and out once each, but needs the
-head counts divisible by cp (config_checks.py refuses the rest).
+head counts divisible by cp (config/checks.py refuses the rest).
 
 Query head h reads kv head h // (H/K). Splitting both head lists into cp contiguous groups
 keeps each query head with its kv head on the same rank: rank i gets query heads

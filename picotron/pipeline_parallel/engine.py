@@ -141,7 +141,7 @@ def pipeline_forward(model, loss_fn, inputs, targets, positions, config, pgm):
 
 
 def pipeline_train_step(model, loss_fn, grads, batches, step, config, pgm, loss_scale):
-    """train.py's train_step for pp > 1: all micro-batches of `step` (picotron/data.py
+    """train.py's train_step for pp > 1: all micro-batches of `step` (picotron/data/windows.py
     StepBatches: this rank's samples and cp share, on the device) through the schedule
     `distributed.pp_engine`. Returns the mean loss over the micro-batches on the last stage,
     0 elsewhere."""

@@ -1,20 +1,19 @@
-"""Speed plug-ins: each applied from outside, after the model, the axes and the weights are
-built, by swapping modules or methods. The model never hears of them; the readable PyTorch
-path (model.kernels=torch, no fused loss, no recomputation) is the reference each is tested
-against. On GPUs the config's "auto" values turn them on (config.resolve_auto).
+"""The speed wing: plug-ins, each applied from outside, after the model, the axes and the
+weights are built, by swapping modules or methods. The model never hears of them; the readable
+PyTorch path (model.kernels=torch, no fused loss, no recomputation) is the reference each is
+tested against. On GPUs the config's "auto" values turn them on (config.resolve_auto).
 
-    kernels.py       model.kernels: the norms, attention and MLP as subclasses running fused
-                     kernels (triton_layers.py: triton_norms, triton_rope, triton_swiglu,
-                     fused_linear; liger_layers.py)
-    fp8_layers.py    training.fp8: the decoder layers' projections as FP8 GEMMs (fp8.py;
-                     fp8_triton.py: the fused ones of model.kernels="triton"; the casts in
-                     fp8_quantize.py and fp8_cast.py; the weight cache in fp8_weights.py)
+Reading order (each file needs only the ones before it):
+    kernels/         model.kernels: the norms, attention and MLP as subclasses running fused
+                     kernels, and the Triton kernels of the fused loss and AdamW (its
+                     `__init__.py` lists them)
+    fp8/             training.fp8: the decoder layers' projections as FP8 GEMMs (its
+                     `__init__.py` lists them)
     recompute.py     training.activation_checkpointing: none | full | selective, per layer
     loss.py          training.fused_loss: the head moved into the loss, chunk by chunk
-                     (triton_loss.py: its Triton kernel)
     adamw.py         training.use_fused_adam on a GPU: AdamW in one pass per gradient shard
-                     (triton_adamw.py)
     cuda_graphs.py   training.cuda_graphs: the layers' forward and backward as CUDA graphs
+    __init__.py      `apply_speed`: the order they are applied in (below)
 
 train.py applies them in this order: `apply_speed` on the built model, then the gradient
 buckets, then `capture_layers` (graphs are captured where the buckets put the parameters),
@@ -23,8 +22,8 @@ then `build_optimizer`.
 from picotron.config import resolve_auto
 from picotron.speed.adamw import build_optimizer  # noqa: F401
 from picotron.speed.cuda_graphs import capture_layers  # noqa: F401
-from picotron.speed.fp8_layers import apply_fp8
-from picotron.speed.kernels import apply_kernels
+from picotron.speed.fp8.layers import apply_fp8
+from picotron.speed.kernels.swap import apply_kernels
 from picotron.speed.loss import apply_fused_loss
 from picotron.speed.recompute import apply_activation_checkpointing
 

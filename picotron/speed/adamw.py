@@ -1,6 +1,7 @@
 """build_optimizer: the readable DistributedAdamW, or on a GPU with `training.use_fused_adam` its
-subclass TritonAdamW, whose update is one Triton kernel per flat shard (triton_adamw.py) that
-also unscales, clips, and writes the bf16 parameters, and whose step never makes the host wait.
+subclass TritonAdamW, whose update is one Triton kernel per flat shard
+(speed/kernels/triton_adamw.py) that also unscales, clips, and writes the bf16 parameters, and whose
+step never makes the host wait.
 
 What the subclass changes, and why:
 - `update`: torch's foreach AdamW takes five passes over every gradient (clip in place, cast,
@@ -22,7 +23,7 @@ class TritonAdamW(DistributedAdamW):
     def __init__(self, grads, pgm, config):
         super().__init__(grads, pgm, config)
         try:     # now, so that a missing package stops the build, not the first step
-            from picotron.speed.triton_adamw import adamw_step
+            from picotron.speed.kernels.triton_adamw import adamw_step
         except ImportError as e:
             raise MissingPackage("training.use_fused_adam=true on a GPU (AdamW as one Triton "
                                  "kernel)", "the triton package (`pip install triton`)",

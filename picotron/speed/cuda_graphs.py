@@ -20,7 +20,7 @@ What a graph needs, and how each is met here:
   with model.kernels=triton: its recomputation is inside the MLP's own autograd function, not
   torch's checkpoint, so the graphs capture it like any other op). Data parallelism is
   fine: its reductions run from gradient hooks, after the backward graph (no overlap).
-- training.fp8: its weight caches (fp8_weights.py) decide on the host when a weight changed,
+- training.fp8: its weight caches (speed/fp8/weights.py) decide on the host when a weight changed,
   which a replay would skip; so they recast in place, into the tensors the graphs read: the
   host checks the weights' versions before each replay, and after an optimizer step replays
   a third graph that holds every weight's recast (`capture_recasts`). Activations' scales
@@ -56,7 +56,7 @@ def capture_layers(model, config, device, grads):
     Call after GradBuckets(model, ...) (`grads`): under ZeRO its parameter gathers wait in
     the layers' forward pre-hooks, which a replay skips, so they are made to wait at the
     step's end instead (ParamGather.overlap). Under training.fp8="tensorwise_delayed" the capture
-    waits for the end of the calibrating first step (fp8_delayed.py), which runs eager."""
+    waits for the end of the calibrating first step (speed/fp8/delayed.py), which runs eager."""
     if getattr(grads, "gather", None) is not None:
         grads.gather.overlap = False
     t, m = config.training, config.model

@@ -17,7 +17,7 @@ V vocab):
   the head weight (V, C, accumulated in fp32) by grad_output / count.
 - "liger": the same scheme with liger-kernel's Triton cross-entropy kernel (fewer passes over
   each chunk); CUDA only.
-- "triton": the same scheme with our Triton kernel (triton_loss.py), which never
+- "triton": the same scheme with our Triton kernel (speed/kernels/triton_loss.py), which never
   makes the host wait for the GPU (liger's reads the token count with .item()); CUDA only.
 Same arithmetic as the reference: bf16 matmul, fp32 softmax; tests/test_speed.py checks loss
 and gradients against it.
@@ -123,7 +123,7 @@ class LinearCrossEntropy:
             self.liger = liger_fused_linear_cross_entropy
         if impl == "triton":
             try:
-                from picotron.speed.triton_loss import triton_linear_cross_entropy
+                from picotron.speed.kernels.triton_loss import triton_linear_cross_entropy
             except ImportError as e:
                 raise MissingPackage("training.fused_loss='triton'", "the triton package on a "
                                      "CUDA machine (`pip install triton`)", "or use 'chunked'",

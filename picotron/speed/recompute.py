@@ -14,10 +14,10 @@ Backward needs tensors saved by forward; at seq 2048 they, not the weights, fill
   the norms' fp32 and bf16 outputs, RoPE's rotated q/k and SwiGLU's silu and product.
   With model.kernels="triton" the norms, RoPE and SwiGLU are our own autograd functions,
   which already keep only their inputs; what is left to drop is the SwiGLU output that the
-  down projection keeps. There "selective" does not use torch's checkpoint at all: the MLP
-  runs swiglu_linear (triton_swiglu.py), which recomputes that output inside its own backward
-  (`TritonMLP.recompute_swiglu`). Under distributed.tp_comm_overlap with model.kernels="torch",
-  torch's checkpoint keeps the outputs of mm, not of the ring's batched GEMMs
+  down projection keeps. There "selective" does not use torch's checkpoint at all: the MLP runs
+  swiglu_linear (speed/kernels/triton_swiglu.py), which recomputes that output inside its own
+  backward (`TritonMLP.recompute_swiglu`). Under distributed.tp_comm_overlap with
+  model.kernels="torch", torch's checkpoint keeps the outputs of mm, not of the ring's batched GEMMs
   (tensor_parallel/overlap.py), so backward recomputes the rings' GEMMs and transfers
   (correct, slower).
 Both use PyTorch's non-reentrant checkpoint, which recomputes the same kernels on the same
@@ -25,7 +25,7 @@ inputs, so losses and gradients are bitwise those of "none" (tests/test_speed.py
 
 Applied by replacing a layer's `forward` on the instance with one that runs the class's
 forward under torch's checkpoint: names, parameters and hooks stay, and the model never
-hears of it. Apply it after speed/kernels.py, whose class swap it must see.
+hears of it. Apply it after speed/kernels/swap.py, whose class swap it must see.
 """
 from functools import partial
 
@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 aten = torch.ops.aten
 # Saved by "selective": matrix products and fused attention (every backend's op name).
-_SAVED_OPS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}   # FP8: fp8.py
+_SAVED_OPS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}   # FP8: fp8/linear.py
 for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
     if hasattr(aten, _name):

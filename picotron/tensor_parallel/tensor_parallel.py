@@ -24,7 +24,7 @@ each block's all-gather and reduce-scatter run as rings interleaved with its GEM
 The embedding is split by vocabulary rows, the head by vocabulary columns; the logits stay
 sharded and the loss is taken from them (picotron/loss.py, vocab-parallel cross-entropy).
 With tied embeddings the head reuses the embedding's shard. GQA: each rank keeps whole kv
-heads, so num_key_value_heads must be divisible by tp (checked in config_checks.py; kv heads are
+heads, so num_key_value_heads must be divisible by tp (checked in config/checks.py; kv heads are
 not replicated).
 """
 import fnmatch

@@ -17,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 import train
-from picotron.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from picotron.checkpoint.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
 
 CASES = ("rng-rank3.safetensors random bytes", "optimizer-pp1-tp1.safetensors truncated",
          "weights-pp0-tp1.safetensors deleted", "latest with the newest state.json deleted")

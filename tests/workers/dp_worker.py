@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import train
 from picotron.config import Config, config_from_dict
-from picotron.data import build_data, micro_batch
+from picotron.data.windows import build_data, micro_batch
 from picotron.data_parallel import DistributedAdamW, GradBuckets
 from picotron.loss import causal_lm_loss
 from picotron.process_group_manager import ProcessGroupManager

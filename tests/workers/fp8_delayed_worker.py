@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
 import train  # noqa: E402
-from picotron.data import StepBatches, build_train_val  # noqa: E402
+from picotron.data.windows import StepBatches, build_train_val  # noqa: E402
 
 
 def run(path, steps, skip=None, save_to=None, resume=None):
@@ -29,7 +29,7 @@ def run(path, steps, skip=None, save_to=None, resume=None):
     checkpoint folder, saved after step 2; `resume`: a checkpoint to start from (the result
     then has "loaded": the amaxes the ledger took from it)."""
     from checkpoint_helpers import step_state
-    from picotron.checkpoint import load_checkpoint, load_full_weights, save_checkpoint
+    from picotron.checkpoint.checkpoint import load_checkpoint, load_full_weights, save_checkpoint
     config, pgm, device = train.setup(path)
     config.training.fp8 = "tensorwise_delayed"
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)

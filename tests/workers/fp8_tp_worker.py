@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from picotron.speed.fp8 import fp8_linear  # noqa: E402
-from picotron.speed.fp8_layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
-from picotron.speed.fp8_weights import Fp8WeightCache  # noqa: E402
+from picotron.speed.fp8.linear import fp8_linear  # noqa: E402
+from picotron.speed.fp8.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
+from picotron.speed.fp8.weights import Fp8WeightCache  # noqa: E402
 from picotron.tensor_parallel.comms import (copy_to_tp, gather_from_sequence,  # noqa: E402
                                             reduce_from_tp)
 

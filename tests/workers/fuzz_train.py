@@ -18,11 +18,11 @@ import traceback
 
 import torch.distributed as dist
 
-import picotron.data
+import picotron.data.windows
 import train
-from picotron.checkpoint import CheckpointError
+from picotron.checkpoint.checkpoint import CheckpointError
 from picotron.config import ConfigError, MissingPackage, load_config
-from picotron.data import DataError
+from picotron.data.windows import DataError
 from picotron.errors import RunStopped
 
 CLEAN = (ConfigError, MissingPackage, DataError, CheckpointError, RunStopped)
@@ -67,7 +67,8 @@ def run_case(index: int, path: str) -> None:
 
 def main(paths: list) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-    picotron.data.embedded_corpus_bytes = functools.lru_cache(picotron.data.embedded_corpus_bytes)
+    windows = picotron.data.windows
+    windows.embedded_corpus_bytes = functools.lru_cache(windows.embedded_corpus_bytes)
     for index, path in enumerate(paths):
         print(f"FUZZ-START {index}", flush=True)
         run_case(index, path)

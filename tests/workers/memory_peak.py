@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import train
 from picotron.config import config_from_dict
-from picotron.data import StepBatches, SyntheticData
+from picotron.data.windows import StepBatches, SyntheticData
 from picotron.process_group_manager import ProcessGroupManager
 
 

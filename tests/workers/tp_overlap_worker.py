@@ -26,7 +26,7 @@ from picotron.attention import sdpa_attention  # noqa: E402
 from picotron.config import Config, DistributedConfig, ModelConfig  # noqa: E402
 from picotron.model import Decoder, materialize  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
-from picotron.speed.kernels import apply_kernels  # noqa: E402
+from picotron.speed.kernels.swap import apply_kernels  # noqa: E402
 from picotron.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from picotron.tensor_parallel.comms import gather_from_sequence  # noqa: E402
 from picotron.tensor_parallel.layers import RowParallelLinear  # noqa: E402

@@ -17,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 import train
-from picotron.data import StepBatches, build_train_val
+from picotron.data.windows import StepBatches, build_train_val
 
 
 def held_parameter_bytes(model, grads) -> int:

@@ -1,0 +1,19 @@
+"""The run wing: what turns the training loop into a job an operator can trust. What a run
+writes and says, the faults it must notice, whether a config fits in memory before anything
+is allocated, the checks made before a config is written, and sampling from the result.
+
+Reading order (each file needs only the ones before it):
+    output_paths.py        the folders and files a run writes, checked before anything is built
+    metrics_log.py         metrics.jsonl, and the loggers beside it (W&B, TensorBoard)
+    step_log.py            one record per optimizer step, logged one step behind; progress
+    watchdog.py            a dead or frozen rank, a dead launcher, SIGTERM
+    report.py              a run's first and last lines, the launch record, an error said once
+    memory_activations.py  what each layer keeps for backward, path by path, with its formula
+    memory_state.py        the weights, gradients and AdamW state of a rank's parameters
+    memory_plan.py         the memory a config needs per rank, and the refusal of one that
+                           cannot fit (`python -m picotron.run.memory_plan CONFIG`)
+    preflight.py           checked on this machine before a config is written: its data and
+                           tokenizer can be found
+    slurm.py               `create_config.py --slurm`: a batch script for several nodes
+    generate.py            sampling from a trained model: temperature, top-k, EOS
+"""

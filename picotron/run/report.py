@@ -1,0 +1,126 @@
+"""What a run says: its first lines, its end, the launch record, and how an error ends it.
+
+A user watching a run wants to know what was chosen for them (the first lines), how far it is
+and how long is left (picotron/run/step_log.py's step line), and at the end what it did and
+where its outputs are (`summary`). A run that cannot start says why once, not once per rank
+(`exit_with_error`).
+"""
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+from picotron.config.checks import config_warnings
+from picotron.config.overrides import repeated_keys
+from picotron.pipeline_parallel import describe_split
+from picotron.utils import count_params, duration, flops_per_token
+from picotron.run.watchdog import tell_launcher
+
+
+def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
+    """The run's first lines: what "auto" chose, the grid, the model, the batch, and the
+    warnings (`overrides`: the launch's --set items, a key given twice among them)."""
+    d, t = config.distributed, config.training
+    auto = getattr(config, "auto_resolved", {})
+    chosen = ", ".join(f"{k}={json.dumps(v) if isinstance(v, bool) else v}"   # as --set takes
+                       for k, v in auto.items())
+    tokens_per_step = config.global_batch_size * t.seq_length
+    flops_tok = flops_per_token(config.model, t.seq_length)
+    lines = [f"auto on {device.type}: {chosen}"] if chosen else []
+    threads = f", {torch.get_num_threads()} CPU threads each" if device.type == "cpu" else ""
+    lines += [f"{pgm}", f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
+              f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} "
+              f"({device.type}{threads})",
+              f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
+              f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "
+              f"{config.model.kernels}, loss {t.fused_loss}, recompute "
+              f"{t.activation_checkpointing}" + (f", fp8 {t.fp8}" if t.fp8 != "none" else ""),
+              f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
+              f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
+              f"tokens/step; {t.total_train_steps} steps; dtype {t.dtype}; run dir {run_dir}"]
+    if d.pp_size > 1:
+        lines.append(describe_split(config))
+    lines += [f"warning: {w}" for w in repeated_keys(overrides) + config_warnings(config)]
+    return "\n".join(lines)
+
+
+def data_warning(config, data):
+    """One line when the training data is smaller than one step's batch, else None."""
+    windows = getattr(data, "num_windows", None)          # None: synthetic tokens
+    if windows is not None and windows < config.global_batch_size:
+        return (f"warning: the training data holds {windows} windows of "
+                f"{config.training.seq_length + 1} tokens, fewer than the global batch of "
+                f"{config.global_batch_size}: every step trains on some windows twice; use "
+                f"more data (dataset.num_samples) or a smaller batch")
+    return None
+
+
+def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) -> None:
+    """Appends this launch to <run_dir>/launches.jsonl: when, the command line, the `--set`
+    overrides applied on top of the config file, and the step it started from. The config
+    file is never rewritten, so this is where a resumed or varied run's changes are kept."""
+    os.makedirs(run_dir, exist_ok=True)
+    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "argv": argv, "overrides": overrides, "start_step": start_step}
+    path = os.path.join(run_dir, "launches.jsonl")
+    with open(path, "a+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:             # a run killed mid-line: this record starts a line of its own
+            f.seek(f.tell() - 1)
+            ended = f.read(1) == "\n"
+            f.write("" if ended else "\n")
+        f.write(json.dumps(record) + "\n")
+
+
+def summary(log, started: float, start_step: int, total_steps: int, val, checkpoint,
+            metrics_path: str) -> str:
+    """The run's last line: steps, time, tokens, final losses, where its outputs are.
+    `log` is the run's StepLog (its last record and token count), `started` the host clock
+    when the loop began, `val` the last validation's metrics record or None, `checkpoint`
+    the last saved directory or None."""
+    took = time.perf_counter() - started
+    steps = total_steps - start_step
+    tokens = log.tokens_seen - log.tokens_at_start
+    last = log.last_record or {}
+    parts = [f"done: {steps} steps ({start_step} -> {total_steps}) in {duration(took)}, "
+             f"{tokens:,} tokens ({tokens / max(took, 1e-9):,.0f} tok/s)"]
+    if "loss" in last:
+        parts.append(f"final loss {last['loss']:.4f}")
+    if log.skipped_total:
+        parts.append(f"{log.skipped_total} steps skipped (non-finite gradient)")
+    if val is not None:
+        parts.append(f"val loss {val['val_loss']:.4f}" + (
+            f" ({val['val_bits_per_byte']:.4f} bits per byte)" if "val_bits_per_byte" in val
+            else ""))
+    parts.append(f"checkpoint {checkpoint}" if checkpoint else
+                 "no checkpoint (checkpoint.save_final=false and no save_frequency)")
+    parts.append(f"metrics {metrics_path}")
+    return "; ".join(parts)
+
+
+def exit_with_error(error: Exception, same_on_every_rank: bool) -> None:
+    """Print a refused run's message once and exit with status 2.
+
+    Under torchrun every rank raises; printing on each gives one copy per rank, followed by
+    torchrun's own report. Rank 0 prints the message; every failing rank also writes it to
+    torchrun's error file (TORCHELASTIC_ERROR_FILE), so the report torchrun prints at the end
+    names it as the root cause instead of "To enable traceback...". An error that every rank
+    meets alike (a config read from the same file) ends the other ranks quietly with status
+    0, so torchrun lists one failure, not one per rank; any other error is theirs to report.
+    On several nodes the first rank of every node speaks for its node (LOCAL_RANK 0): a node
+    whose ranks all exited 0 would wait in torchrun's exit barrier for the failed node
+    (minutes) instead of ending at once."""
+    rank = int(os.environ.get("RANK", 0))
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0    # rank 0 on one node
+    message = f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}"
+    launched = "TORCHELASTIC_ERROR_FILE" in os.environ
+    if first_on_node or not (same_on_every_rank or launched):
+        print(message, file=sys.stderr, flush=True)
+    if first_on_node or not same_on_every_rank:
+        tell_launcher(message)
+    if not first_on_node and same_on_every_rank:
+        sys.exit(0)
+    sys.exit(2)
