@@ -17,7 +17,7 @@ from picotron.checkpoint.checkpoint import existing_run
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config.checks import config_warnings
 from picotron.config.ranges import unwritable
-from picotron.config.overrides import apply_overrides, repeated_keys
+from picotron.config.overrides import apply_overrides, parse_flags, repeated_keys
 from picotron.run.preflight import local_problems
 from picotron.config.presets import pretrained_weights, resolve_model
 from picotron.run.slurm import add_slurm_flags, slurm_problems, write_slurm_script
@@ -80,7 +80,7 @@ def flag_help(flag: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", type=os.path.expanduser, default="tmp",
                    help="parent folder of the run directory (default: tmp)")
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    return parse_flags(build_parser(), argv)
 
 
 def flags_given(args) -> list:
@@ -137,7 +137,7 @@ def build_config_dict(args) -> dict:
         raw["training"]["dtype"] = "float32"
     for _, section, key, value in flags_given(args):
         raw[section][key] = value
-    apply_overrides(raw, args.set)     # unknown keys are caught by config_from_dict
+    apply_overrides(raw, args.set)     # an unknown key: refused, naming the key meant
     # A Hugging Face checkpoint as --model_name: start from its weights, unless a flag changed
     # the architecture (then its weights cannot fit: train from scratch, and say so).
     weights = pretrained_weights(args.model_name)

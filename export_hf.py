@@ -15,13 +15,14 @@ import sys
 
 from picotron.checkpoint.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
+from picotron.config.overrides import parse_flags
 from picotron.data.windows import DataError
 from picotron.checkpoint.export_dir import ExportError, check_export_dir
 from picotron.checkpoint.hf_io import export_hf
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=os.path.expanduser, required=True,
                    help="a step_* checkpoint directory, or a run's checkpoints folder (its "
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse_flags(build_parser(), argv)
     try:
         check_export_dir(args.out)                       # before reading any weights
         path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest

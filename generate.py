@@ -16,6 +16,7 @@ import torch
 
 from picotron.checkpoint.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
+from picotron.config.overrides import parse_flags
 from picotron.data.windows import DataError
 from picotron.run.generate import load_for_inference, sample
 from picotron.data.tokenizer import check_fits, load_tokenizer, tokenizer_source
@@ -23,7 +24,7 @@ from picotron.utils import set_cpu_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=os.path.expanduser, required=True,
                    help="a step_* checkpoint directory, or a run's checkpoints folder (its "
@@ -66,7 +67,7 @@ def warn_past_trained_windows(prompt_tokens: int, max_new_tokens: int, config) -
 
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, argv)
     for name in ("max_new_tokens", "temperature", "top_k"):
         value = getattr(args, name)
         if not 0 <= value < float("inf"):          # NaN too

@@ -1,14 +1,19 @@
 """Plot one or more runs: `python plot.py RUN_DIR [RUN_DIR ...] [--out FILE.png]`.
 
 Reads each run's `metrics.jsonl` (train.py writes one record per step, and `{step, val_loss}`
-records when `training.val_frequency` is set) and draws one PNG of three panels, every run
-in its own colour with its name in the legend:
+records when `training.val_frequency` is set) and draws one PNG of up to three panels, every
+run in its own colour with its name in the legend:
 - loss against tokens seen: the training loss as a line, the validation loss as dots on a
   dashed line (tokens, not steps, so runs with different global batches line up);
-- tokens/s against step (the whole run's throughput, all GPUs);
-- MFU against step (empty for runs on CPU, which report none).
+- tokens/s against step (the whole run's throughput: all its GPUs, or all its processes on
+  CPU);
+- MFU against step, drawn only when some run reports one (on CPU there is none).
 
-    python plot.py tmp/debug                                # -> metrics.png
+One run's picture goes beside it, several runs' into the current folder; `--out` names
+another file. The path written is printed.
+
+    python plot.py tmp/debug                                # -> tmp/debug/metrics.png
+    python plot.py tmp/dp2 tmp/tp2                          # -> metrics.png
     python plot.py tmp/dp2 tmp/tp2 --out compare.png --size 1800x500
 
 Needs matplotlib (`pip install matplotlib`); it is optional for training.
@@ -19,6 +24,7 @@ import math
 import os
 import sys
 
+from picotron.config.overrides import parse_flags
 
 STEP_KEYS = ("step", "loss", "tokens", "tokens_per_s")      # what each step record must hold
 
@@ -28,13 +34,15 @@ class PlotError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("runs", type=os.path.expanduser, nargs="+", metavar="RUN_DIR",
                    help="a run directory (the folder holding config.json and metrics.jsonl), "
                         "or a metrics.jsonl file; several are drawn side by side")
-    p.add_argument("--out", type=os.path.expanduser, default="metrics.png",
+    p.add_argument("--out", type=os.path.expanduser,
                    help="the image to write: a PNG, or another format its extension names "
-                        "(.pdf, .svg); default: metrics.png in the current folder")
+                        "(.pdf, .svg); default: metrics.png beside the run when one is "
+                        "plotted (RUN_DIR/metrics.png), in the current folder for several")
     p.add_argument("--size", default="1500x450", metavar="WIDTHxHEIGHT",
                    help="image size in pixels (default: 1500x450)")
     return p
@@ -130,6 +138,39 @@ def labels_of(runs: list) -> list:
     return [n if names.count(n) == 1 else r for n, r in zip(names, runs)]
 
 
+def default_out(runs: list) -> str:
+    """Where the picture goes without --out: beside the run when one is plotted (in its folder,
+    or beside its metrics.jsonl), else in the current folder, as no run's folder is theirs."""
+    if len(runs) != 1:
+        return "metrics.png"
+    run = runs[0]
+    return os.path.join(run if os.path.isdir(run) else os.path.dirname(run), "metrics.png")
+
+
+def panels(data: list, labels: list) -> list:
+    """(title, x label, y label, lines) of each panel some run has a number for, a line being
+    (xs, ys, format, colour, label). Only runs on GPUs report an MFU: runs on CPU get no MFU
+    panel, and their throughput is that of all their processes."""
+    loss, speed, mfu = [], [], []
+    for i, ((steps, vals), label) in enumerate(zip(data, labels)):
+        colour, step_numbers = f"C{i}", [r["step"] for r in steps]
+        loss.append(([r["tokens"] for r in steps], [r["loss"] for r in steps], "-", colour,
+                     f"{label} train"))
+        if vals:
+            tokens = tokens_at(steps)
+            loss.append(([tokens(r["step"]) for r in vals], [r["val_loss"] for r in vals],
+                         "o--", colour, f"{label} validation"))
+        speed.append((step_numbers, [r["tokens_per_s"] for r in steps], "-", colour, label))
+        mfu.append((step_numbers, [100 * r.get("mfu", math.nan) for r in steps], "-", colour,
+                    label))                      # NaN (null: none measured) draws nothing
+    on_gpus = all(any(math.isfinite(v) for v in ys) for _, ys, *_ in mfu)
+    every = [("loss", "tokens seen", "loss", loss),
+             ("throughput", "step", f"tokens/s (all {'GPUs' if on_gpus else 'processes'})",
+              speed),
+             ("model FLOPs utilization", "step", "MFU (%)", mfu)]
+    return [p for p in every if any(math.isfinite(v) for _, ys, *_ in p[3] for v in ys)]
+
+
 def plot(runs: list, out: str, size=(1500, 450)) -> str:
     """Draw `runs` (run directories or metrics.jsonl files) into the image `out` (a PNG
     unless its extension names another format matplotlib writes); returns its path."""
@@ -153,33 +194,16 @@ def plot(runs: list, out: str, size=(1500, 450)) -> str:
         raise PlotError(f"--out {out!r}: matplotlib cannot write '.{ext}' files; use one of "
                         f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
 
+    drawn = panels(data, labels_of(runs))
+    if not drawn:
+        raise PlotError(f"nothing to draw: every loss and tokens/s of {', '.join(runs)} is "
+                        f"null")
     dpi = 100
-    fig, (loss_ax, speed_ax, mfu_ax) = plt.subplots(1, 3, figsize=(size[0] / dpi,
-                                                                    size[1] / dpi), dpi=dpi)
-    measured_mfu = False
-    for i, ((steps, vals), label) in enumerate(zip(data, labels_of(runs))):
-        colour = f"C{i}"
-        step_numbers = [r["step"] for r in steps]
-        loss_ax.plot([r["tokens"] for r in steps], [r["loss"] for r in steps], color=colour,
-                     label=f"{label} train")
-        if vals:
-            tokens = tokens_at(steps)
-            loss_ax.plot([tokens(r["step"]) for r in vals], [r["val_loss"] for r in vals],
-                         "o--", color=colour, label=f"{label} validation")
-        speed_ax.plot(step_numbers, [r["tokens_per_s"] for r in steps], color=colour,
-                      label=label)
-        mfu = [100 * r.get("mfu", math.nan) for r in steps]   # NaN (CPU: none) draws nothing
-        mfu_ax.plot(step_numbers, mfu, color=colour, label=label)
-        measured_mfu = measured_mfu or any(math.isfinite(v) for v in mfu)
-    if not measured_mfu:
-        mfu_ax.text(0.5, 0.5, "no MFU: runs on CPU report none", ha="center",
-                    transform=mfu_ax.transAxes)
-        mfu_ax.set_xticks([])
-        mfu_ax.set_yticks([])
-    for ax, title, xlabel, ylabel in (
-            (loss_ax, "loss", "tokens seen", "loss"),
-            (speed_ax, "throughput", "step", "tokens/s (all GPUs)"),
-            (mfu_ax, "model FLOPs utilization", "step", "MFU (%)")):
+    fig, axes = plt.subplots(1, len(drawn), figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi,
+                             squeeze=False)
+    for ax, (title, xlabel, ylabel, lines) in zip(axes[0], drawn):
+        for xs, ys, fmt, colour, label in lines:
+            ax.plot(xs, ys, fmt, color=colour, label=label)
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -198,9 +222,9 @@ def plot(runs: list, out: str, size=(1500, 450)) -> str:
 
 
 def main(argv=None) -> str:
-    args = build_parser().parse_args(argv)
+    args = parse_flags(build_parser(), argv)
     try:
-        path = plot(args.runs, args.out, parse_size(args.size))
+        path = plot(args.runs, args.out or default_out(args.runs), parse_size(args.size))
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -70,7 +70,7 @@ def child(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--one", required=True, help="the row to search: a label of "
                    "bench_speed.py's rows, e.g. 'ours triton' or 'hf+liger'")

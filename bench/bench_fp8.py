@@ -216,7 +216,7 @@ def steps(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("part", choices=("gemms", "steps"),
                    help="gemms: one layer's projections; steps: training steps")

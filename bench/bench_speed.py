@@ -216,7 +216,7 @@ def child(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B", help="presets (%(default)s)")
     p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")

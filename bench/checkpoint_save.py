@@ -83,7 +83,7 @@ def measure(config_path: str, asynchronous: bool, steps: int, every: int) -> dic
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name", default="SmolLM-360M",
                         help="model preset (default: %(default)s)")

@@ -155,7 +155,7 @@ def run_variant(args, name):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="SmolLM-360M", help="model preset (default: %(default)s)")
     p.add_argument("--mbs", type=int, default=16, help="micro-batch size (default: 16)")

@@ -139,7 +139,7 @@ def report(emit, title, rows, nbytes, rate, now):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", default="2048,8192,16384", help="widths K, comma-separated "
                    "(default: %(default)s)")

@@ -66,7 +66,7 @@ def train(args, recipe: str, name: str):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name", default="SmolLM-135M", help="preset (%(default)s)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (%(default)s)")

@@ -92,7 +92,7 @@ def peak_mb(fn):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="360M,1.7B", help="comma-separated, among "
                     f"{', '.join(SHAPES)} (default: %(default)s)")

@@ -55,7 +55,7 @@ def unigram_entropy():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder of the runs' "
                         "configs and metrics (default: $OUT, else a new temporary folder)")

@@ -58,7 +58,7 @@ def report(shapes, rows, seq, limit, emit, modes="own,full"):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B",
                    help="model presets, comma-separated (default: %(default)s)")

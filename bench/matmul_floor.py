@@ -94,7 +94,7 @@ def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="SmolLM-1.7B",
                    help="a model preset (configs/presets) (default: %(default)s)")

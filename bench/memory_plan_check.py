@@ -97,7 +97,7 @@ def run_row(args, shape, mbs):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="SmolLM-135M,SmolLM-360M,SmolLM-1.7B",
                    help="presets (%(default)s)")

@@ -236,7 +236,7 @@ def throughput(args, emit):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use, or CPU ranks with "
                    "--cpu; layouts that need more are skipped (default: every GPU of the "

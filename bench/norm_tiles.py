@@ -84,7 +84,7 @@ def report(emit, title, rows, nbytes, rate, now):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", default="960,2048", help="hidden sizes C to sweep, "
                    "comma-separated (default: 960,2048: SmolLM-360M and 1.7B)")

@@ -196,7 +196,7 @@ def attention_backends(emit, shape, mbs, seq):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="SmolLM-360M,SmolLM-1.7B",
                    help="model presets, comma-separated (default: %(default)s)")

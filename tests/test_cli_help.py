@@ -3,7 +3,12 @@ writing nothing, and every option says what it does (a help text that is not emp
 
 The scripts run one after another in one process (tests/workers/show_help.py: each as
 `python SCRIPT --help` would run it, its own folder first on sys.path), started from an empty
-folder with an empty temporary folder, both of which must stay empty."""
+folder with an empty temporary folder, both of which must stay empty.
+
+No command takes an abbreviated flag, and a flag it does not know (mistyped, abbreviated, or
+another trainer's name for one of ours) is refused with the flags it most likely meant."""
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -12,6 +17,7 @@ import sys
 import pytest
 
 from launch import ROOT
+from picotron.config.overrides import FLAG_ALIASES
 
 ENTRY_POINTS = ["train.py", "create_config.py", "generate.py", "export_hf.py", "plot.py"]
 WORKER = os.path.join(ROOT, "tests", "workers", "show_help.py")
@@ -72,3 +78,106 @@ def test_help_runs_and_documents_every_option(helps, script):
         r["stdout"][-2000:], r["stderr"][-2000:])
     undocumented = [o["option"] for o in r["options"] if not (o["help"] or "").strip()]
     assert not undocumented, f"{script}: options without a help text: {undocumented}"
+
+
+def parser_calls(path: str) -> list:
+    """(line, whether allow_abbrev=False is given) of each ArgumentParser(...) in a file."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [(node.lineno, any(k.arg == "allow_abbrev" and isinstance(k.value, ast.Constant)
+                              and k.value.value is False for k in node.keywords))
+            for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "ArgumentParser"]
+
+
+def test_no_command_takes_an_abbreviated_flag():
+    """argparse takes `--seq 128` for `--seq_len 128` unless told not to; a flag added later
+    would make such a command ambiguous, or change what it sets. Every parser of the
+    repository's commands (the scripts, `python -m picotron.run.memory_plan`) is told."""
+    package = [os.path.relpath(os.path.join(d, f), ROOT)
+               for d, _, names in os.walk(os.path.join(ROOT, "picotron")) for f in names
+               if f.endswith(".py")]
+    calls = {f: parser_calls(f) for f in scripts() + package}
+    assert calls["picotron/run/memory_plan.py"], "memory_plan's parser not found"
+    allowing = [f"{f}:{line}" for f, found in calls.items() for line, refused in found
+                if not refused]
+    assert not allowing, f"ArgumentParser without allow_abbrev=False: {allowing}"
+
+
+ABBREVIATED = [  # (module, its other arguments, an abbreviated flag, the flag it abbreviates)
+    ("create_config", ["128"], "--seq", "--seq_len"),
+    ("train", ["--config", "x.json", "training.seed=1"], "--se", "--set"),
+    ("generate", ["--checkpoint", "x", "0.5"], "--temp", "--temperature"),
+    ("export_hf", ["--checkpoint", "x", "y"], "--ou", "--out"),
+    ("plot", ["x", "900x300"], "--si", "--size"),
+    ("picotron.run.memory_plan", [], "--hel", "--help"),
+]
+
+
+@pytest.mark.parametrize("module,argv,typed,meant", ABBREVIATED)
+def test_an_abbreviation_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys, module,
+                                                   argv, typed, meant):
+    """The usage line, then one line naming the flag; exit code 2, as argparse refuses."""
+    monkeypatch.chdir(tmp_path)                  # whatever a script would write lands here
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv[:-1] + [typed] + argv[-1:])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage:"), err
+    last = err.splitlines()[-1]
+    assert last.endswith(f"error: unknown flag {typed} (did you mean {meant}?)"), err
+
+
+UNKNOWN = [  # (module, command line, the error line's end: the flags it names)
+    ("create_config", ["--seq_length", "128"], "unknown flag --seq_length (did you mean "
+                                               "--seq_len?)"),
+    ("create_config", ["--lr", "1e-3"], "unknown flag --lr (did you mean --learning_rate?)"),
+    ("create_config", ["--steps", "9"], "unknown flag --steps (did you mean "
+                                        "--total_train_steps?)"),
+    ("create_config", ["--max_steps=9"], "unknown flag --max_steps (did you mean "
+                                         "--total_train_steps?)"),
+    ("create_config", ["--batch_size", "4"], "unknown flag --batch_size (did you mean --mbs?)"),
+    ("create_config", ["--gradient_accumulation_steps", "4"],
+     "unknown flag --gradient_accumulation_steps (did you mean --grad_acc_steps?)"),
+    ("create_config", ["--dp_size", "2"], "unknown flag --dp_size (did you mean --dp?)"),
+    ("create_config", ["--num_hiden_layers", "2"], "unknown flag --num_hiden_layers (did you "
+                                                   "mean --num_hidden_layers?)"),
+    # a config key without a flag of its own: --set of it, with the value typed
+    ("create_config", ["--warmup_steps", "10"], "unknown flag --warmup_steps (did you mean "
+                                                "--set training.warmup_steps=10?)"),
+    ("train", ["--config", "x.json", "--lr", "1e-3"], "unknown flag --lr (did you mean --set "
+                                                      "training.learning_rate=1e-3?)"),
+    ("train", ["--conf", "x.json"], "unknown flag --conf (did you mean --config?)"),
+    ("generate", ["--checkpoint", "x", "--max_tokens", "5"], "unknown flag --max_tokens (did "
+                                                            "you mean --max_new_tokens?)"),
+    ("create_config", ["--lr", "1", "--zzz"], "unknown flags --lr (did you mean "
+                                             "--learning_rate?), --zzz; --help lists every flag"),
+]
+
+
+@pytest.mark.parametrize("module,argv,said", UNKNOWN)
+def test_an_unknown_flag_is_refused_naming_the_flags_meant(tmp_path, monkeypatch, capsys,
+                                                          module, argv, said):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage:"), err
+    assert err.splitlines()[-1].endswith(f"error: {said}"), err
+
+
+def test_a_mistyped_flag_on_the_command_line(tmp_path):
+    """As a user meets it: the usage, one line naming the flag, exit code 2, no traceback."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "create_config.py"),
+                           "--seq_length", "128"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: create_config.py"), proc
+    assert proc.stderr.splitlines()[-1] == ("create_config.py: error: unknown flag --seq_length"
+                                            " (did you mean --seq_len?)"), proc.stderr
+    assert "Traceback" not in proc.stderr and not os.listdir(tmp_path)
+
+
+def test_every_common_name_stands_for_a_flag(helps):
+    """The table of other trainers' flag names names flags that the entry points have."""
+    flags = {option[2:] for script in ENTRY_POINTS for o in helps[script]["options"]
+             for option in o["option"].split("/") if option.startswith("--")}
+    assert not set(FLAG_ALIASES.values()) - flags

@@ -1,7 +1,8 @@
 """`--set section.key=value` on the command line (picotron/config/overrides.py): a key given twice
 takes the last, with a warning naming both spellings (scripts append overrides to a base list;
 a person who typed both learns which one is used); a text key takes a number or true/false as
-the text typed."""
+the text typed; an unknown key or section is refused naming the key meant (another trainer's
+name for it, a spelling close to it), and the section's keys only when none is near."""
 import json
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 
 from launch import write_config
 from tiny import one_process_group
-from picotron.config import ConfigError, load_config
-from picotron.config.overrides import repeated_keys
+from picotron.config import Config, ConfigError, load_config
+from picotron.config.overrides import KEY_ALIASES, repeated_keys
 from picotron.run.report import describe_run
 
 BASE = ["--dataset_name", "synthetic", "--skip_local_checks"]
@@ -82,3 +83,73 @@ def test_other_keys_still_read_json(tmp_path):
     assert config.training.seed == 7 and config.training.cuda_graphs is False
     with pytest.raises(ConfigError, match="'training.seed' must be int"):
         load_config(path, overrides=['training.seed="7"'])
+
+
+MEANT = [  # (--set item, the key meant): a common name, a typo, a key of another section
+    ("training.lr=1e-3", "training.learning_rate"),
+    ("training.steps=9", "training.total_train_steps"),
+    ("training.max_steps=9", "training.total_train_steps"),
+    ("training.batch_size=4", "training.micro_batch_size"),
+    ("training.micro_batch=4", "training.micro_batch_size"),
+    ("training.seq_len=64", "training.seq_length"),
+    ("training.max_seq_len=64", "training.seq_length"),
+    ("training.warmup=5", "training.warmup_steps"),
+    ("training.grad_clip=1", "training.max_grad_norm"),
+    ("training.clip_grad_norm=1", "training.max_grad_norm"),
+    ("training.wd=0", "training.weight_decay"),
+    ("training.learnin_rate=1", "training.learning_rate"),
+    ("training.dp_size=2", "distributed.dp_size"),
+    ("model.n_layer=2", "model.num_hidden_layers"),
+]
+SECTION_MEANT = [  # (--set item of an unknown section, what is meant)
+    ("train.lr=1e-3", "training.learning_rate"),
+    ("optim.weight_decay=0", "training.weight_decay"),
+    ("trainin.seed=1", "training.seed"),
+    ("ckpt.save_frequency=5", "checkpoint.save_frequency"),
+]
+
+
+@pytest.mark.parametrize("item,meant", MEANT + SECTION_MEANT)
+def test_an_unknown_key_names_the_key_meant(tmp_path, item, meant):
+    """Named, without the section's 27 keys; on train.py's path (load_config)."""
+    path = write_config(tmp_path, "run", BASE)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides=[item])
+    path_typed = item.split("=")[0]
+    unknown = (f"key '{path_typed}'" if (item, meant) in MEANT
+               else f"section '{path_typed.split('.')[0]}'")
+    assert str(e.value) == f"--set {item!r}: unknown {unknown}; did you mean {meant}?"
+
+
+def test_create_config_says_the_key_meant_on_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        write_config(tmp_path, "lr", BASE + ["--set", "training.lr=1e-3"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: --set 'training.lr=1e-3': unknown key "
+                                       "'training.lr'; did you mean training.learning_rate?\n")
+
+
+def test_the_keys_are_listed_only_when_none_is_near(tmp_path):
+    path = write_config(tmp_path, "run", BASE)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides=["training.zzz=1", "nowhere.zzz=1", "training.lr=1"])
+    training = ", ".join(Config().to_dict()["training"])
+    assert str(e.value).splitlines() == [
+        f"--set 'training.zzz=1': unknown key 'training.zzz'; training's keys: {training}",
+        "--set 'nowhere.zzz=1': unknown section 'nowhere'; valid sections: distributed, model, "
+        "training, dataset, checkpoint, logging",
+        "--set 'training.lr=1': unknown key 'training.lr'; did you mean training.learning_rate?"]
+
+
+def test_a_key_without_its_section_is_shown_with_it(tmp_path):
+    path = write_config(tmp_path, "run", BASE)
+    with pytest.raises(ConfigError, match=r"section.key=value, e.g. --set "
+                                          r"training.learning_rate=1e-3$"):
+        load_config(path, overrides=["lr=1e-3"])
+
+
+def test_every_common_name_stands_for_a_key():
+    """The table of other trainers' key names names keys that the config has."""
+    keys = {f"{section}.{key}" for section, fields in Config().to_dict().items()
+            for key in fields}
+    assert not set(KEY_ALIASES.values()) - keys

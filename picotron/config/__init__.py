@@ -9,7 +9,8 @@ Reading order (each file needs only the ones before it):
     features.py   what each optional feature (CUDA graphs, FP8, TP overlap, ZeRO-3) cannot be
                   combined with
     checks.py     every reason a layout or a config cannot run, each naming its fix
-    overrides.py  `--set section.key=value`, the same on every command
+    overrides.py  `--set section.key=value`, the same on every command; the names a user
+                  meant, for an unknown key or flag
     config.py     the typed config: loading, validation, and `resolve_auto` (what `auto` picks)
     presets.py    `--model_name` -> the `model` section (a preset, a local folder, a hub id)
 

@@ -13,7 +13,6 @@ any part of a config, the rest defaulted, for tests and tools.
 """
 import copy
 import dataclasses
-import difflib
 import json
 import os
 import typing
@@ -26,7 +25,7 @@ from picotron.config.ranges import range_errors
 from picotron.config.sections import (CheckpointConfig, DatasetConfig, DistributedConfig,
                                       LoggingConfig, ModelConfig, TrainingConfig)  # noqa: F401
 from picotron.errors import ConfigError            # noqa: F401 (re-exported)
-from picotron.config.overrides import apply_overrides
+from picotron.config.overrides import apply_overrides, unknown_name
 
 
 class MissingPackage(ImportError):
@@ -97,10 +96,8 @@ def _build_section(cls, raw, section: str, errors: list):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in raw.items():
-        if key not in hints:
-            near = difflib.get_close_matches(key, hints, n=1)
-            hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
-            errors.append(f"unknown key '{section}.{key}'{hint}; valid keys: {', '.join(hints)}")
+        if key not in hints:       # the key meant: a common name, or a close spelling
+            errors.append(unknown_name(section, key))
         elif not _type_ok(value, hints[key]):
             errors.append(f"'{section}.{key}' must be {_type_name(hints[key])}, "
                           f"got {value!r} ({type(value).__name__})")
@@ -122,7 +119,7 @@ def config_from_dict(raw: dict, world_size: Optional[int] = None,
     built = {}
     for key, value in raw.items():
         if key not in sections:
-            errors.append(f"unknown section '{key}'; valid sections: {', '.join(sections)}")
+            errors.append(unknown_name(key, ""))
         else:
             built[key] = _build_section(hints[key], value, key, errors)
     config = Config(**built)

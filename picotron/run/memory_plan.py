@@ -188,11 +188,13 @@ def main(argv=None):
     that does not load)."""
     import argparse
     from picotron.config import load_config
+    from picotron.config.overrides import parse_flags
     p = argparse.ArgumentParser(description="Print the memory estimate of a config.json, and "
-                                "whether it fits this machine (exit 1 when it does not).")
+                                "whether it fits this machine (exit 1 when it does not).",
+                                allow_abbrev=False)
     p.add_argument("config", help="path to a config.json (create_config.py writes one)")
     try:
-        config = load_config(p.parse_args(argv).config)
+        config = load_config(parse_flags(p, argv).config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -20,14 +20,15 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OTHER_PATHS = [p for p in sys.path[1:] if os.path.abspath(p or ".") != ROOT]
-parse_args = argparse.ArgumentParser.parse_args
+# parse_args calls parse_known_args, which our scripts' parse_flags calls directly
+parse_known_args = argparse.ArgumentParser.parse_known_args
 parsers = []
 
 
 def record_options_then_parse(parser, args=None, namespace=None):
     parsers.append([{"option": "/".join(a.option_strings) or a.dest, "help": a.help}
                     for a in parser._actions if not isinstance(a, argparse._HelpAction)])
-    return parse_args(parser, args, namespace)
+    return parse_known_args(parser, args, namespace)
 
 
 def ours(module) -> bool:
@@ -55,6 +56,6 @@ def run_help(script: str) -> dict:
             "options": parsers[0] if parsers else None}
 
 
-argparse.ArgumentParser.parse_args = record_options_then_parse
+argparse.ArgumentParser.parse_known_args = record_options_then_parse
 for path in sys.argv[1:]:
     print("HELP " + json.dumps(run_help(os.path.abspath(path))), flush=True)
