@@ -18,6 +18,7 @@ from picotron.attention import resolve_attention
 from picotron.checkpoint.checkpoint import (CheckpointError, CheckpointSaver,
                                             SharedCheckpointError, check_new_run, resume, save_root)
 from picotron.config import ConfigError, MissingPackage, load_config
+from picotron.config.overrides import parse_flags
 from picotron.context_parallel import apply_context_parallel
 from picotron.data.windows import DataError, StepBatches, build_train_val, data_state
 from picotron.data_parallel import GradBuckets, ShardedParams
@@ -30,8 +31,9 @@ from picotron.model import Decoder, materialize
 from picotron.run.output_paths import check_output_dirs
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
-from picotron.run.report import (data_warning, describe_run, exit_with_error, record_launch,
-                                 summary)
+from picotron.run.report import (StartupPhases, config_read, data_warning, describe_run,
+                                 exit_with_error, nothing_to_train, record_launch,
+                                 starting_fresh, summary)
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.speed.fp8.layers import settle_auto_fp8
 from picotron.run.step_log import StepLog
@@ -50,6 +52,8 @@ def setup(config_path, overrides=()):
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # on this machine
     config = load_config(config_path, world_size=world_size, overrides=overrides)
     d = config.distributed     # more than one node: tp must not cross one (the network)
+    if rank == 0:   # the first sign of life: the process groups and the build take a while
+        print(config_read(config, world_size), flush=True)
     node_warning = check_nodes(d.tp_size, d.cp_size, local_world_size, world_size)
     if node_warning and rank == 0:
         print(node_warning, file=sys.stderr, flush=True)
@@ -95,6 +99,7 @@ def build_model(config, pgm, device):
     model = apply_tensor_parallel(model, pgm, config)
     model = apply_pipeline_parallel(model, pgm, config)
     model = apply_context_parallel(model, pgm, config)
+    model.weights_from = f"random init (seed {config.training.seed})"   # a load rewrites it
     if config.distributed.zero_stage == 3:   # ShardedParams draws (and loads) shards later
         return model
     model = materialize(model, config.training.seed, device, dtype,
@@ -171,7 +176,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Train a picotron model: `torchrun --nproc_per_node N train.py --config "
                     "tmp/NAME/config.json` (N = the config's dp*tp*pp*cp), or `python "
-                    "train.py --config ...` for one process.")
+                    "train.py --config ...` for one process.", allow_abbrev=False)
     parser.add_argument("--config", type=os.path.expanduser, required=True,
                         help="the run's config.json, written by create_config.py; the run's "
                              "outputs go to its folder unless logging.run_dir says otherwise")
@@ -179,14 +184,14 @@ def parse_args(argv=None):
                         help="override a key of the config file for this launch (repeatable; "
                              "validated like the file, recorded in RUN_DIR/launches.jsonl), "
                              "e.g. --set checkpoint.load_path=latest")
-    return parser.parse_args(argv)
+    return parse_flags(parser, argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
 
     # ---- set-up -------------------------------------------------------------------------
-    owns_group = not dist.is_initialized()
+    owns_group, set_up_from = not dist.is_initialized(), time.perf_counter()
     config, pgm, device = setup(args.config, args.set)
     t = config.training
     set_seed(t.seed)
@@ -201,11 +206,15 @@ def main(argv=None):
                  and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
     if is_logger:
         print(describe_run(config, pgm, device, run_dir, args.set), flush=True)
+    phases = StartupPhases(is_logger, since=set_up_from)   # a line a phase: a slow start shows
+    phases.done("process groups and checks")
 
     # ---- build --------------------------------------------------------------------------
     model, loss_fn, grads, optimizer = build_training(config, pgm, device)
+    phases.done("model built")
     data, val_data = build_train_val(config, run_dir)
     batches = StepBatches(data, config, pgm, device)   # this rank's micro-batches of a step
+    phases.done("data ready")
     if is_logger and data_warning(config, data):
         print(data_warning(config, data), file=sys.stderr, flush=True)
     # Resume: weights, optimizer, RNG, step, tokens seen; the data position is the step.
@@ -215,21 +224,14 @@ def main(argv=None):
           else contextlib.nullcontext()):
         start_step, tokens_seen, accepted_changes = resume(config, run_dir, model, optimizer,
                                                            pgm, data)
-    if is_logger:
-        record_launch(run_dir, sys.argv, args.set, start_step)
-    if is_logger and start_step:
-        print(f"resumed at step {start_step} from {config.checkpoint.load_path}", flush=True)
-    elif is_logger and config.checkpoint.load_path == "latest":     # nothing to resume yet
+    if is_logger and not start_step and config.checkpoint.load_path == "latest":  # none yet
         aside = set_aside_metrics(os.path.join(run_dir, "metrics.jsonl"))
-        print(f"no checkpoint under {save_root(config, run_dir)} yet: starting at step 0"
-              + (f"; the metrics.jsonl of an earlier run there is now {aside}" if aside
-                 else ""), flush=True)
-    if start_step >= t.total_train_steps:
-        if is_logger:
-            print(f"nothing to train: the checkpoint is at step {start_step} and "
-                  f"training.total_train_steps={t.total_train_steps}; to train on, raise it "
-                  f"(e.g. --set training.total_train_steps={start_step + t.total_train_steps})",
-                  flush=True)
+        print(starting_fresh(save_root(config, run_dir), aside), flush=True)
+    if is_logger:   # resume() said its step, and a schedule that changes: it knows the old one
+        record_launch(run_dir, sys.argv, args.set, start_step)
+        print(f"weights: {model.weights_from}", flush=True)   # drawn, or the last load's
+    if is_logger and start_step >= t.total_train_steps:
+        print(nothing_to_train(start_step, t.total_train_steps), flush=True)
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config,
                          keep_until_step=start_step)
     # Each step's loss and grad norm are read once the next step is queued, so the GPU never
@@ -244,6 +246,7 @@ def main(argv=None):
             log.start(step)
             log.queued(queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
                                   device))
+            phases.first_step_queued()
             watchdog.step = step + 1
             stop = watchdog.stop_requested(step + 1)    # SIGTERM: all stop after one step
             every, last = config.checkpoint.save_frequency, step + 1 == t.total_train_steps
@@ -284,7 +287,6 @@ def main(argv=None):
         raise SystemExit(143)
     if owns_group:
         dist.destroy_process_group()
-
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)      # CPU and every CUDA device
 
 
+# The training settings lr_at reads, and how a resume line writes each one when a resume
+# changes it (picotron/checkpoint/changes.py: a new schedule is said, not refused).
+SCHEDULE_SETTINGS = {"total_train_steps": "{} steps", "warmup_steps": "warmup_steps {}",
+                     "learning_rate": "learning_rate {:.2e}", "min_lr_ratio": "min_lr_ratio {:g}"}
+
+
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up to `learning_rate` over `warmup_steps`, then cosine decay to
     `learning_rate * min_lr_ratio` at `total_train_steps`. step counts from 1."""
@@ -56,10 +62,13 @@ def peak_flops(device) -> float:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def format_step(r: dict) -> str:
+def format_step(r: dict, on_cpu: bool = False) -> str:
     """The one readable line per step: where the run is, how it learns, how fast, and (with
-    the progress fields of picotron/run/step_log.py) how long it has run and has left."""
+    the progress fields of picotron/run/step_log.py) how long it has run and has left.
+    `on_cpu`: throughput per process, and no MFU (a CPU has no peak rate to divide by)."""
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    speed = (f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/process" if on_cpu else
+             f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu}")
     where = f"step {r['step']:>5}" + (f"/{r['total_steps']}" if "total_steps" in r else "")
     when = ""
     if "elapsed_s" in r:
@@ -68,10 +77,30 @@ def format_step(r: dict) -> str:
     return (f"{where} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens']:,} tokens | "
             f"{r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | MFU {mfu} | "
+            f"{speed} | "
             f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms{when}"
             + (f" | loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
             + (" | non-finite gradient: step skipped" if r.get("skipped") else ""))
+
+
+def process_age():
+    """Seconds since this process started, or None where /proc does not say (not Linux): the
+    time its imports took, on a small machine with many ranks most of a slow start."""
+    try:
+        with open("/proc/self/stat") as f:     # field 22, after the ")" that ends the name
+            start_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def plural(count: int, noun: str) -> str:
+    """1 -> '1 GPU', 8 -> '8 GPUs'; nouns ending in s take -es ('2 CPU processes')."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
 def duration(seconds: float) -> str:

@@ -95,6 +95,9 @@ def test_world_size_mismatch_names_every_factor():
     with pytest.raises(ConfigError) as e:
         config_from_dict(raw, world_size=4)
     assert "2*2*2*1 = 8" in str(e.value) and "--nproc_per_node 8" in str(e.value)
+    assert "but 4 processes were launched" in str(e.value)
+    with pytest.raises(ConfigError, match="but 1 process was launched"):
+        config_from_dict(raw, world_size=1)
 
 
 def test_written_config_round_trips(tmp_path):
@@ -277,3 +280,15 @@ def test_a_home_relative_path_is_the_home_folder(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "cannot write the config to" in err and \
         "is not a folder" in err and "Traceback" not in err, err
+
+
+def test_a_config_files_unknown_keys_name_the_keys_meant():
+    """A config file is read as --set is: a common name or a misspelling names the key meant."""
+    raw = Config().to_dict()
+    raw["training"]["lr"], raw["model"]["hiden_size"], raw["trainin"] = 1e-3, 64, {}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    for said in ("unknown key 'training.lr'; did you mean training.learning_rate?",
+                 "unknown key 'model.hiden_size'; did you mean model.hidden_size?",
+                 "unknown section 'trainin'; did you mean training?"):
+        assert said in str(e.value), str(e.value)

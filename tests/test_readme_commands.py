@@ -9,6 +9,7 @@ is the environment this suite already runs in, so it is the one line not run her
 The commands run in a fresh folder that holds links to the repository's scripts and package,
 so their relative paths (`tmp/debug/...`) resolve as they would in a clone.
 """
+import dataclasses
 import math
 import os
 import re
@@ -17,9 +18,12 @@ import subprocess
 import sys
 
 import torch
+from safetensors import safe_open
 
 from launch import ROOT, read_metrics
+from picotron.config import load_config
 from picotron.data.windows import embedded_corpus_bytes
+from picotron.utils import lr_at
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
                "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gb", "step_time_s"}
@@ -95,6 +99,29 @@ def test_quick_start_runs_as_printed(tmp_path):
     assert losses(fine_tune)[0] < first[0] - 1.0, (losses(fine_tune)[:3], first[:3])
     assert "resumed at step 200" in resumed and "step   220/220" in resumed, resumed[-2000:]
     assert "done: 20 steps (200 -> 220)" in resumed
+    check_start_lines(os.path.realpath(tmp_path), train, fine_tune, resumed)
+
+
+def check_start_lines(root, train, fine_tune, resumed):
+    """Each run says where its weights came from, and the resume that stretches the schedule
+    to 220 steps says which lr step 201 gets under each schedule (lr_at's, not copied), in
+    the line the README shows."""
+    debug = load_config(os.path.join(root, "tmp", "debug", "config.json")).training
+    assert f"\nweights: random init (seed {debug.seed})\n" in train, train[:3000]
+    hf = os.path.join(root, "tmp", "debug-hf")
+    with safe_open(os.path.join(hf, "model.safetensors"), "pt") as f:
+        tensors = len(list(f.keys()))
+    assert f"\nweights: loaded from Hugging Face folder {hf} ({tensors} tensors)\n" in fine_tune
+    step_200 = os.path.join(root, "tmp", "debug", "checkpoints", "step_000200")
+    assert (f"\nweights: loaded from checkpoint {step_200} (step 200, {tensors} tensors)\n"
+            in resumed), resumed[:3000]
+    longer = dataclasses.replace(debug, total_train_steps=220)
+    said = (f"resumed at step 200 from latest; the schedule changes: lr at step 201 would be "
+            f"{lr_at(201, debug):.2e} under the checkpoint's (200 steps), is "
+            f"{lr_at(201, longer):.2e} under this config (220 steps)")
+    assert said in resumed.splitlines(), resumed[:3000]
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert said in readme.split("## Quick start", 1)[1].split("\n## ", 1)[0].splitlines()
 
 
 def test_ci_runs_the_readme_test_command_in_a_fresh_environment():

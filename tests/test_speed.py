@@ -276,13 +276,15 @@ def test_matmul_floor_runs_the_matmuls_of_a_step_and_nothing_else(monkeypatch):
 
 
 def test_first_line_says_what_auto_chose(tmp_path, capsys):
-    """A run's first line names what each "auto" option resolved to (on CPU: the reference)."""
+    """A run's first line after the config is read names what each "auto" option resolved to
+    (on CPU: the reference)."""
     path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "auto", "--use_cpu",
                                "--total_train_steps", "1", "--mbs", "1", "--seq_len", "16"])
     assert json.load(open(path))["model"]["kernels"] == "auto"      # written as asked
     capsys.readouterr()
     train.main(["--config", path])
-    first = capsys.readouterr().out.splitlines()[0]
+    read, first = capsys.readouterr().out.splitlines()[:2]
+    assert read.startswith("config read"), read
     assert first == ("auto on cpu: model.kernels=torch, training.fused_loss=none, "
                      "training.activation_checkpointing=none, training.cuda_graphs=false, "
                      "training.fp8=none"), first

@@ -34,7 +34,11 @@ def test_cpu_run_never_touches_cuda(tmp_path, monkeypatch, capsys):
                                "--dataset_name", "synthetic", "--set", "logging.log_frequency=1"])
     train.main(["--config", path])
     out = capsys.readouterr().out
-    assert "step     3" in out and "MFU n/a" in out
+    # per-process words, no MFU (a CPU has no peak rate), the grammar of one
+    assert "step     3" in out and "tok/s/process" in out and "MFU" not in out
+    assert "tok/s/gpu" not in out and "on 1 CPU process (cpu, " in out
+    assert ("CPU thread each" in out) == (torch.get_num_threads() == 1)
+    assert "(this rank logs:" in out
     records = [json.loads(line) for line in open(tmp_path / "cpu" / "metrics.jsonl")]
     assert len(records) == 3
 

@@ -13,11 +13,15 @@ another run under the old name, so it is refused, naming each setting and the fi
   listed in `checkpoint.allow_changes`. An accepted change is recorded in the state of every
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.
+A new learning-rate schedule (more steps, another peak) is neither: the user asked for it, but
+it moves the lr at once (a longer run stretches the cosine, so the lr rises again), so the
+resume line says so (`schedule_change`).
 """
 import os
 
 from picotron.checkpoint.verify import FUNCTION_SETTINGS, SAVED_SETTINGS
 from picotron.checkpoint.shards import SharedCheckpointError
+from picotron.utils import SCHEDULE_SETTINGS, lr_at
 
 # Model fields that fix the shapes of the weights; dataset fields that pick the windows.
 SHAPE_FIELDS = tuple(k[6:] for k in SAVED_SETTINGS if k.startswith("model."))
@@ -84,6 +88,24 @@ WHY = {"training.seed": "the data order follows the seed",
                               "change?)",
        "dataset.contents": "the same dataset settings now read other tokens, as many windows "
                            "of them (were the files edited, or the tokenizer's files?)"}
+
+
+def schedule_change(saved, config, step: int):
+    """Words for the resume line when this config's schedule differs from the checkpoint's
+    (`saved`): the lr each would use at the next step, and the settings that differ; None
+    when the schedule is the same, or when no step is left to train."""
+    old, new = saved.training, config.training
+    if any(getattr(old, k) is None for k in SCHEDULE_SETTINGS):    # a checkpoint without one
+        return None
+    changed = [k for k in SCHEDULE_SETTINGS if getattr(old, k) != getattr(new, k)]
+    if not changed or step >= new.total_train_steps:
+        return None
+
+    def settings(t):          # "200 steps", "220 steps, learning_rate 1.00e-04"
+        return ", ".join(SCHEDULE_SETTINGS[k].format(getattr(t, k)) for k in changed)
+    return (f"the schedule changes: lr at step {step + 1} would be {lr_at(step + 1, old):.2e} "
+            f"under the checkpoint's ({settings(old)}), is {lr_at(step + 1, new):.2e} under "
+            f"this config ({settings(new)})")
 
 
 def check_resume(state: dict, saved, config, directory: str, windows, contents=None) -> list:

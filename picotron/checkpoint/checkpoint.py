@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from picotron.checkpoint.async_save import CheckpointSaver
-from picotron.checkpoint.changes import check_model_shape, check_resume
+from picotron.checkpoint.changes import check_model_shape, check_resume, schedule_change
 from picotron.checkpoint.find import (check_new_run, checkpoint_to_read,  # noqa: F401
                                       complete_checkpoints, existing_run, find_checkpoint,
                                       resolve_checkpoint, verified)
@@ -69,6 +69,10 @@ def resume(config, run_dir: str, model, optimizer, pgm, data) -> tuple:
         print(f"warning: resuming {path} with changes that checkpoint.allow_changes accepts, "
               f"recorded in the next checkpoints: {history[-1]['changes']}", flush=True)
     _agree(lambda: _load(path, state, model, optimizer, pgm))
+    if pgm.global_rank == 0:      # said once; a schedule the user changed, with its lrs
+        change = schedule_change(saved, config, state["step"])
+        print(f"resumed at step {state['step']} from {config.checkpoint.load_path}"
+              + (f"; {change}" if change else ""), flush=True)
     return state["step"], state["tokens_seen"], history
 
 
@@ -108,7 +112,8 @@ def _agree(load) -> None:
 
 def _load(directory: str, state: dict, model, optimizer, pgm):
     """Read and check this rank's part of a verified checkpoint; return a function that
-    puts it into the model, the optimizer and the RNGs (nothing is changed before)."""
+    puts it into the model, the optimizer and the RNGs (nothing is changed before), and
+    records where the weights came from (`model.weights_from`, as load_hf_weights does)."""
     shards = lambda kind: sorted(glob.glob(os.path.join(directory, f"{kind}-*.safetensors")))
     index = index_shards(shards("weights"))           # already verified against the manifest
     # A pipeline copy of a tied weight loads (weights and moments) under the original's name.
@@ -132,6 +137,9 @@ def _load(directory: str, state: dict, model, optimizer, pgm):
         with torch.no_grad():
             for n, p in params:
                 p.copy_(values[n])
+        # for the run's first lines: every tensor of the model, each rank reading its slices
+        model.weights_from = (f"loaded from checkpoint {directory} (step {state['step']}, "
+                              f"{len(index)} tensors)")
         if optimizer is not None:
             optimizer.load_param_state(opt_state)   # moments and masters into this rank's shards
             # a scale saved by an fp16 run; another dtype's is 1 (no scaling), and an fp16

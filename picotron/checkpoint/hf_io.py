@@ -81,7 +81,8 @@ def hf_model_dir(source: str) -> str:
 def load_hf_weights(model, source: str) -> None:
     """Overwrite the model's parameters with the Hugging Face checkpoint at `source` (a local
     directory or hub id); each rank reads only its own slice (`local_slice`). Every tensor is
-    checked against the model before any parameter is written."""
+    checked against the model before any parameter is written; `model.weights_from` then says
+    where they came from (train.py prints it before the first step)."""
     from picotron.model import Decoder
     directory = hf_model_dir(source)
     cohere = _model_type(directory) == "cohere"
@@ -121,6 +122,9 @@ def load_hf_weights(model, source: str) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(values[n])
+    # for the run's first lines: every tensor of the whole model (`full`), each rank its slices
+    model.weights_from = (f"loaded from Hugging Face folder {directory} ({len(full)} tensors"
+                          + ("" if directory == source else f"; {source} on the hub") + ")")
 
 
 def _model_type(directory: str) -> str:

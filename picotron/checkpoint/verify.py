@@ -21,6 +21,7 @@ import re
 
 from picotron.config import Config
 from picotron.checkpoint.shards import CheckpointError, sha256
+from picotron.utils import SCHEDULE_SETTINGS
 
 FORMAT_VERSION = 2      # 2: RNG states in safetensors, a self-checksum, the accepted changes
 STATE_FILE = "state.json"
@@ -66,6 +67,10 @@ SAVED_SETTINGS = {
 # (null when a checkpoint lacks one), so a checkpoint written before they were compared
 # still resumes.
 FUNCTION_SETTINGS = {"model.rope_theta": (int, float), "model.rms_norm_eps": (int, float)}
+# The learning-rate schedule's settings (picotron/utils.py's lr_at), read the same way: a
+# resume says how this config's schedule differs from the one the checkpoint trained under.
+SCHEDULE_FIELDS = {f"training.{k}": int if k.endswith("_steps") else (int, float)
+                   for k in SCHEDULE_SETTINGS}
 
 
 def state_checksum(state: dict) -> str:
@@ -116,7 +121,8 @@ class _Fields:
 
 
 def _saved_config(fields: _Fields):
-    """A Config holding the saved SAVED_SETTINGS (the others at their defaults: unread)."""
+    """A Config holding the saved SAVED_SETTINGS, and FUNCTION_SETTINGS and SCHEDULE_FIELDS
+    or None where a checkpoint lacks them (the others at their defaults: unread)."""
     config = Config()
     for name, kind in SAVED_SETTINGS.items():
         section, key = name.split(".")
@@ -125,7 +131,7 @@ def _saved_config(fields: _Fields):
             low = 0 if name in ("training.seed", "dataset.val_samples") else 1
         value = fields.get(f"config.{name}", kind, minimum=low)
         setattr(getattr(config, section), key, value)
-    for name, kind in FUNCTION_SETTINGS.items():
+    for name, kind in {**FUNCTION_SETTINGS, **SCHEDULE_FIELDS}.items():
         section, key = name.split(".")
         setattr(getattr(config, section), key,
                 fields.get(f"config.{name}", kind, optional=True))

@@ -16,7 +16,7 @@ import torch
 from picotron.config.checks import config_warnings
 from picotron.config.overrides import repeated_keys
 from picotron.pipeline_parallel import describe_split
-from picotron.utils import count_params, duration, flops_per_token
+from picotron.utils import count_params, duration, flops_per_token, plural, process_age
 from picotron.run.watchdog import tell_launcher
 
 
@@ -30,9 +30,11 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
     tokens_per_step = config.global_batch_size * t.seq_length
     flops_tok = flops_per_token(config.model, t.seq_length)
     lines = [f"auto on {device.type}: {chosen}"] if chosen else []
-    threads = f", {torch.get_num_threads()} CPU threads each" if device.type == "cpu" else ""
-    lines += [f"{pgm}", f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} "
-              f"on {config.world_size} {'CPU processes' if d.use_cpu else 'GPUs'} "
+    threads = torch.get_num_threads()
+    threads = f", {plural(threads, 'CPU thread')} each" if device.type == "cpu" else ""
+    lines += [f"{pgm} (this rank logs: the last pipeline stage's first rank holds the loss)",
+              f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} on "
+              f"{plural(config.world_size, 'CPU process' if d.use_cpu else 'GPU')} "
               f"({device.type}{threads})",
               f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
               f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "
@@ -99,6 +101,49 @@ def summary(log, started: float, start_step: int, total_steps: int, val, checkpo
                  "no checkpoint (checkpoint.save_final=false and no save_frequency)")
     parts.append(f"metrics {metrics_path}")
     return "; ".join(parts)
+
+
+def config_read(config, world_size: int) -> str:
+    """Rank 0's first line, before the process groups exist: the launch is alive."""
+    d, age = config.distributed, process_age()
+    started = "" if age is None else f", {age:.1f}s after this process started (imports)"
+    return (f"config read{started}: {plural(world_size, 'rank')} = dp {d.dp_size} x tp "
+            f"{d.tp_size} x pp {d.pp_size} x cp {d.cp_size}; setting up")
+
+
+def starting_fresh(save_dir: str, metrics_aside) -> str:
+    """A resume of `latest` that finds no checkpoint starts at step 0, and says so."""
+    return (f"no checkpoint under {save_dir} yet: starting at step 0"
+            + (f"; the metrics.jsonl of an earlier run there is now {metrics_aside}"
+               if metrics_aside else ""))
+
+
+def nothing_to_train(start_step: int, total_steps: int) -> str:
+    return (f"nothing to train: the checkpoint is at step {start_step} and "
+            f"training.total_train_steps={total_steps}; to train on, raise it "
+            f"(e.g. --set training.total_train_steps={start_step + total_steps})")
+
+
+class StartupPhases:
+    """One line per phase of the start, with its seconds (`done("model built")` -> "model
+    built in 4.2s"), so that a slow start (16 ranks on a small CPU: ~50 s) is visibly busy.
+    `speak`: whether this rank prints (the logging rank); `since`: the first phase's start, a
+    time.perf_counter() reading."""
+
+    def __init__(self, speak: bool, since: float):
+        self.speak, self.mark = speak, since
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.speak:
+            print(f"{phase} in {now - self.mark:.1f}s", flush=True)
+        self.mark = now
+
+    def first_step_queued(self) -> None:
+        """Called after each step is queued; says the first one."""
+        if self.mark is not None:
+            self.done("first step queued")
+            self.mark = None
 
 
 def exit_with_error(error: Exception, same_on_every_rank: bool) -> None:

@@ -119,7 +119,7 @@ class StepLog:
         self.metrics.write(record)
         self.last_record = record
         if self.is_logger and record["step"] % self.config.logging.log_frequency == 0:
-            print(format_step(record), flush=True)
+            print(format_step(record, on_cpu=self.device.type == "cpu"), flush=True)
         self._count_skipped(record)
 
     def _progress(self, done: int) -> dict:
