@@ -1,6 +1,7 @@
 """A local file read as raw bytes (enwik8's setup): dataset.byte_range trains, val_byte_range
 validates, nothing is split into lines or documents, no validation byte reaches a training
-window; the palm-enwik8 recipe, scaled down, trains and reports bits per byte."""
+window; the palm-enwik8 recipe, scaled down, trains and reports bits per byte. A split of a
+single stream (bytes, the embedded corpus, synthetic tokens) is refused, not ignored."""
 import math
 import random
 
@@ -147,3 +148,15 @@ def test_bits_per_byte_only_when_tokens_are_bytes(xml_file, tmp_path):
         record = validation_record(1, 1.0, config)
         assert "val_bits_per_byte" not in record
         assert validation_line(record) == "step     1 | val loss 1.0000"
+
+
+@pytest.mark.parametrize("dataset", [{"split": "nope"}, {"name": "synthetic", "val_split": "v"},
+                                     {"name": "f.txt", "byte_range": [0, 100], "split": "x"}])
+def test_a_split_of_a_single_stream_is_refused_not_ignored(dataset):
+    """The embedded corpus, synthetic tokens and a file's byte range have no splits."""
+    raw = Config().to_dict()
+    raw["dataset"].update(dataset)
+    with pytest.raises(ConfigError, match="one stream with no splits: remove it"):
+        config_from_dict(raw)
+    raw["dataset"].update(split="train", val_split=None)
+    config_from_dict(raw)

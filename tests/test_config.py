@@ -280,15 +280,3 @@ def test_a_home_relative_path_is_the_home_folder(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "cannot write the config to" in err and \
         "is not a folder" in err and "Traceback" not in err, err
-
-
-def test_a_config_files_unknown_keys_name_the_keys_meant():
-    """A config file is read as --set is: a common name or a misspelling names the key meant."""
-    raw = Config().to_dict()
-    raw["training"]["lr"], raw["model"]["hiden_size"], raw["trainin"] = 1e-3, 64, {}
-    with pytest.raises(ConfigError) as e:
-        config_from_dict(raw)
-    for said in ("unknown key 'training.lr'; did you mean training.learning_rate?",
-                 "unknown key 'model.hiden_size'; did you mean model.hidden_size?",
-                 "unknown section 'trainin'; did you mean training?"):
-        assert said in str(e.value), str(e.value)

@@ -225,3 +225,16 @@ def test_train_refuses_a_run_dir_behind_a_file_before_building(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="the run directory"):
         train.main(["--config", path])
+
+
+def test_a_run_dir_that_permissions_allow_but_cannot_be_made_is_refused(tmp_path):
+    """/proc looks writable to root (os.access says yes), but nothing can be made in it: the
+    run directory is made at the check, so the run stops there, not at its first record."""
+    for run_dir in (tmp_path / "made" / "here", "/proc/picotron_run"):
+        config = config_from_dict({})
+        try:
+            check_output_dirs(config, str(run_dir))
+        except ConfigError as e:
+            assert str(run_dir) == "/proc/picotron_run" and "choose another folder" in str(e)
+        else:
+            assert os.path.isdir(run_dir), run_dir

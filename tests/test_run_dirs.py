@@ -121,6 +121,10 @@ def test_a_latest_file_naming_no_checkpoint_is_named(earlier_run, tmp_path, caps
         assert find_checkpoint("latest", str(root), "/")[0] == str(root / "step_000004")
         assert f"skipped the `latest` file's {text!r} (no such checkpoint here); resuming " \
                f"from {root / 'step_000004'}" in capsys.readouterr().err
+    (root / "latest").unlink()             # deleted by hand: the newest, and said so
+    assert find_checkpoint("latest", str(root), "/")[0] == str(root / "step_000004")
+    assert f"skipped the `latest` file (there is none in {root}: the newest valid checkpoint " \
+           f"is taken instead" in capsys.readouterr().err
     # no checkpoint left at all: a fresh start (train.py says so), as with no `latest` file
     for step in ("step_000002", "step_000004"):
         shutil.rmtree(root / step)
@@ -151,9 +155,16 @@ def test_an_fp16_resume_of_another_dtype_starts_at_the_initial_loss_scale(earlie
     copy = tmp_path / "fp16"
     shutil.copytree(os.path.dirname(earlier_run), copy)
     path = str(copy / "config.json")
-    train(path, "--set", "checkpoint.load_path=latest", "--set", "training.total_train_steps=5",
-          "--set", "training.dtype=float16")
+    out = train(path, "--set", "checkpoint.load_path=latest", "--set",
+                "training.total_train_steps=5", "--set", "training.dtype=float16").stdout
     with open(path) as f:
         initial = json.load(f)["training"]["initial_loss_scale"]
     resumed = [r for r in read_metrics(path) if r["step"] == 5]
     assert resumed and resumed[0]["loss_scale"] == initial, resumed
+    # another precision is accepted unlisted, but said and recorded in the run's history
+    assert "recorded in the next checkpoints: {'training.dtype': ['float32', 'float16']}" \
+        in out, out
+    with open(copy / "checkpoints" / "step_000005" / "state.json") as f:
+        history = json.load(f)["accepted_changes"]
+    assert history[-1]["step"] == 4 and history[-1]["changes"] == {
+        "training.dtype": ["float32", "float16"]}, history

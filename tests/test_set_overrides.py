@@ -10,7 +10,7 @@ import torch
 
 from launch import write_config
 from tiny import one_process_group
-from picotron.config import Config, ConfigError, load_config
+from picotron.config import Config, ConfigError, config_from_dict, load_config
 from picotron.config.overrides import KEY_ALIASES, repeated_keys
 from picotron.run.report import describe_run
 
@@ -153,3 +153,15 @@ def test_every_common_name_stands_for_a_key():
     keys = {f"{section}.{key}" for section, fields in Config().to_dict().items()
             for key in fields}
     assert not set(KEY_ALIASES.values()) - keys
+
+
+def test_a_config_files_unknown_keys_name_the_keys_meant():
+    """A config file is read as --set is: a common name or a misspelling names the key meant."""
+    raw = Config().to_dict()
+    raw["training"]["lr"], raw["model"]["hiden_size"], raw["trainin"] = 1e-3, 64, {}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    for said in ("unknown key 'training.lr'; did you mean training.learning_rate?",
+                 "unknown key 'model.hiden_size'; did you mean model.hidden_size?",
+                 "unknown section 'trainin'; did you mean training?"):
+        assert said in str(e.value), str(e.value)

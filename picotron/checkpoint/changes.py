@@ -13,13 +13,16 @@ another run under the old name, so it is refused, naming each setting and the fi
   listed in `checkpoint.allow_changes`. An accepted change is recorded in the state of every
   later checkpoint (`accepted_changes`: from which checkpoint, at which step, old -> new), so
   the run's history says where it stopped being one run.
+Another precision (`training.dtype`, `training.master_weights`: a bf16 fine-tune of an fp32 run)
+is accepted without being listed, since the weights and the data are the same, but it changes
+the arithmetic of every later step: it is recorded in the same history, and said.
 A new learning-rate schedule (more steps, another peak) is neither: the user asked for it, but
 it moves the lr at once (a longer run stretches the cosine, so the lr rises again), so the
 resume line says so (`schedule_change`).
 """
 import os
 
-from picotron.checkpoint.verify import FUNCTION_SETTINGS, SAVED_SETTINGS
+from picotron.checkpoint.verify import FUNCTION_SETTINGS, PRECISION_FIELDS, SAVED_SETTINGS
 from picotron.checkpoint.shards import SharedCheckpointError
 from picotron.utils import SCHEDULE_SETTINGS, lr_at
 
@@ -127,6 +130,10 @@ def check_resume(state: dict, saved, config, directory: str, windows, contents=N
                                     f"checkpoints) with checkpoint.allow_changes: "
                                     f"{sorted(refused)}")
     history = list(state.get("accepted_changes") or [])
+    for name in PRECISION_FIELDS:           # None: a checkpoint that did not save it
+        old, new = (getattr(c.training, name[9:]) for c in (saved, config))
+        if old is not None and old != new:
+            diffs[name] = (old, new)
     if diffs:
         history.append({"from": directory, "step": state["step"],
                         "tokens_seen": state["tokens_seen"],

@@ -66,8 +66,9 @@ def resume(config, run_dir: str, model, optimizer, pgm, data) -> tuple:
     history = check_resume(state, saved, config, path, getattr(data, "num_windows", None),
                            getattr(data, "contents", None))
     if len(history) > len(state.get("accepted_changes") or []) and pgm.global_rank == 0:
-        print(f"warning: resuming {path} with changes that checkpoint.allow_changes accepts, "
-              f"recorded in the next checkpoints: {history[-1]['changes']}", flush=True)
+        print(f"warning: resuming {path} with changes (checkpoint.allow_changes's, or another "
+              f"precision), recorded in the next checkpoints: {history[-1]['changes']}",
+              flush=True)
     _agree(lambda: _load(path, state, model, optimizer, pgm))
     if pgm.global_rank == 0:      # said once; a schedule the user changed, with its lrs
         change = schedule_change(saved, config, state["step"])

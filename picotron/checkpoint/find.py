@@ -84,6 +84,10 @@ def find_checkpoint(load_path: str, save_root: str, run_dir: str, pgm=None) -> t
     else:       # damaged, or naming a checkpoint deleted by hand: said if others are resumed
         if written is not None and candidates:
             skipped.append(f"the `latest` file's {written[:40]!r} (no such checkpoint here)")
+        elif candidates:    # every save writes it last: deleted by hand, or never finished
+            skipped.append(f"the `latest` file (there is none in {save_root}: the newest "
+                           f"valid checkpoint is taken instead, which may not be the last "
+                           f"one written)")
     for candidate in candidates:
         state, saved, problems = verified(candidate, pgm)
         if not problems:

@@ -71,6 +71,8 @@ FUNCTION_SETTINGS = {"model.rope_theta": (int, float), "model.rms_norm_eps": (in
 # resume says how this config's schedule differs from the one the checkpoint trained under.
 SCHEDULE_FIELDS = {f"training.{k}": int if k.endswith("_steps") else (int, float)
                    for k in SCHEDULE_SETTINGS}
+# The precision the run trained in, read the same way: a resume in another one is recorded.
+PRECISION_FIELDS = {"training.dtype": str, "training.master_weights": bool}
 
 
 def state_checksum(state: dict) -> str:
@@ -121,8 +123,9 @@ class _Fields:
 
 
 def _saved_config(fields: _Fields):
-    """A Config holding the saved SAVED_SETTINGS, and FUNCTION_SETTINGS and SCHEDULE_FIELDS
-    or None where a checkpoint lacks them (the others at their defaults: unread)."""
+    """A Config holding the saved SAVED_SETTINGS, and FUNCTION_SETTINGS, SCHEDULE_FIELDS and
+    PRECISION_FIELDS or None where a checkpoint lacks them (the others at their defaults:
+    unread)."""
     config = Config()
     for name, kind in SAVED_SETTINGS.items():
         section, key = name.split(".")
@@ -131,7 +134,7 @@ def _saved_config(fields: _Fields):
             low = 0 if name in ("training.seed", "dataset.val_samples") else 1
         value = fields.get(f"config.{name}", kind, minimum=low)
         setattr(getattr(config, section), key, value)
-    for name, kind in {**FUNCTION_SETTINGS, **SCHEDULE_FIELDS}.items():
+    for name, kind in {**FUNCTION_SETTINGS, **SCHEDULE_FIELDS, **PRECISION_FIELDS}.items():
         section, key = name.split(".")
         setattr(getattr(config, section), key,
                 fields.get(f"config.{name}", kind, optional=True))

@@ -185,11 +185,24 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
     if t.val_frequency > 0 and config.dataset.val_samples == 0:
         errors.append(f"training.val_frequency={t.val_frequency} but dataset.val_samples=0: "
                       f"set dataset.val_samples to the number of held-out windows")
+    errors += split_errors(config.dataset)
     unknown = [c for c in config.checkpoint.allow_changes if c not in RESUME_CHANGES]
     if unknown:
         errors.append(f"checkpoint.allow_changes names {unknown}, which a resume cannot "
                       f"accept; it takes a list of: {', '.join(RESUME_CHANGES)}")
     return errors
+
+
+def split_errors(ds) -> list:
+    """A split names part of a dataset; the embedded corpus, a file's byte range and synthetic
+    tokens are one stream each, so a split there would be ignored: refused instead."""
+    source = ("dataset.byte_range" if ds.byte_range is not None else
+              f"dataset.name='{ds.name}'" if ds.name in ("embedded", "synthetic") else None)
+    held_out = "dataset.val_byte_range" if ds.byte_range is not None else "dataset.val_samples"
+    return [f"{key}={value!r} means nothing for {source}, one stream with no splits: remove "
+            f"it (held-out windows come from {held_out})"
+            for key, value in (("dataset.split", ds.split), ("dataset.val_split", ds.val_split))
+            if source and value not in (None, "train")]
 
 
 def pipeline_errors(config) -> list:

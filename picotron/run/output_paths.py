@@ -3,7 +3,7 @@ anything is built, so that a path in the way is refused at start: not after minu
 building or hours of tokenizing, nor at the first record or the first save.
 
 Folders (each an existing folder, or creatable in the nearest folder above it that exists,
-with no file in the way):
+with no file in the way; the run directory is made here, since permissions do not tell all):
 - the run directory (logging.run_dir, else the config file's folder): metrics, launches;
 - checkpoint.save_dir, when checkpoints are written;
 - <run dir>/tensorboard, with logging.tensorboard;
@@ -47,5 +47,11 @@ def check_output_dirs(config, run_dir: str) -> None:
                  f"move it away" + (" (the checkpoints beside it are not touched)"
                                     if path.endswith("latest") else "")
                  for path in files if os.path.isdir(path)]
+    if not problems:     # made now: permissions do not tell all (/proc, a read-only mount)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as e:
+            problems.append(f"the run directory '{run_dir}' cannot be made "
+                            f"({e.strerror or type(e).__name__}); choose another folder")
     if problems:
         raise ConfigError("cannot write the run's outputs:\n  - " + "\n  - ".join(problems))
