@@ -200,7 +200,7 @@ def test_a_missing_shard_is_never_a_fresh_optimizer_state(saved):
     first = sorted(per_param)[0]
     per_param[first]["tensors"] = []
     save_file(tensors, path, dict(meta, state=json.dumps(per_param)))
-    from picotron.checkpoint.shards import sha256
+    from picotron.utils import sha256
     rewrite_state(step3, lambda s: s["sha256"].update({os.path.basename(path): sha256(path)}))
     with pytest.raises(CheckpointError, match=f"not for \\['{first}'\\]"):
         load_checkpoint(step3, model, opt, one_process_group(), config)

@@ -54,15 +54,23 @@ def _same(old, new) -> bool:
                           and os.path.expanduser(old) == os.path.expanduser(new))
 
 
+def optional_diffs(saved, config, names) -> dict:
+    """{'section.key': (checkpoint's value, this config's)} for the `names` that differ, among
+    settings a checkpoint may lack (None: it did not save it, so nothing is compared)."""
+    diffs = {}
+    for name in names:
+        section, key = name.split(".")
+        old, new = (getattr(getattr(c, section), key) for c in (saved, config))
+        if old is not None and old != new:
+            diffs[name] = (old, new)
+    return diffs
+
+
 def run_changes(saved, config, saved_windows, windows, saved_contents=None,
                 contents=None) -> dict:
     """{setting: (checkpoint's value, this config's)} for every run-changing difference.
     `*_contents`: the token stream's sha256 (None: not known, as for synthetic data)."""
-    diffs = {}
-    for name in FUNCTION_SETTINGS:          # None: a checkpoint that did not save it
-        old, new = (getattr(c.model, name[6:]) for c in (saved, config))
-        if old is not None and old != new:
-            diffs[name] = (old, new)
+    diffs = optional_diffs(saved, config, FUNCTION_SETTINGS)
     for key in ("seed", "seq_length"):
         if getattr(saved.training, key) != getattr(config.training, key):
             diffs[f"training.{key}"] = (getattr(saved.training, key),
@@ -130,10 +138,7 @@ def check_resume(state: dict, saved, config, directory: str, windows, contents=N
                                     f"checkpoints) with checkpoint.allow_changes: "
                                     f"{sorted(refused)}")
     history = list(state.get("accepted_changes") or [])
-    for name in PRECISION_FIELDS:           # None: a checkpoint that did not save it
-        old, new = (getattr(c.training, name[9:]) for c in (saved, config))
-        if old is not None and old != new:
-            diffs[name] = (old, new)
+    diffs.update(optional_diffs(saved, config, PRECISION_FIELDS))   # accepted unlisted
     if diffs:
         history.append({"from": directory, "step": state["step"],
                         "tokens_seen": state["tokens_seen"],

@@ -18,8 +18,8 @@ from picotron.checkpoint import hf_cohere
 from picotron.checkpoint.verify import STATE_FILE
 from picotron.checkpoint.export_dir import check_export_dir, export_staging
 from picotron.checkpoint.shards import (CheckpointError, SharedCheckpointError, checkpoint_config,
-                                        index_shards, load_full_weights, read_slice,
-                                        readable_as_usual, slice_bounds)
+                                        index_shards, load_full_weights, read_slice, slice_bounds)
+from picotron.utils import readable_as_usual
 
 IGNORED = ("rotary_emb.inv_freq",)     # buffers some old checkpoints carry; recomputed here
 

@@ -20,8 +20,8 @@ import os
 import re
 
 from picotron.config import Config
-from picotron.checkpoint.shards import CheckpointError, sha256
-from picotron.utils import SCHEDULE_SETTINGS
+from picotron.checkpoint.shards import CheckpointError
+from picotron.utils import SCHEDULE_SETTINGS, sha256
 
 FORMAT_VERSION = 2      # 2: RNG states in safetensors, a self-checksum, the accepted changes
 STATE_FILE = "state.json"
