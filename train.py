@@ -26,21 +26,21 @@ from picotron.errors import RunStopped, SharedDataError
 from picotron.checkpoint.hf_io import load_hf_weights
 from picotron.loss import build_loss
 from picotron.run.memory_plan import check_memory
-from picotron.run.metrics_log import MetricsLog, import_loggers, set_aside_metrics
+from picotron.run.metrics_log import MetricsLog, import_loggers
 from picotron.model import Decoder, materialize
 from picotron.run.output_paths import check_output_dirs
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
 from picotron.run.report import (StartupPhases, config_read, data_warning, describe_run,
-                                 exit_with_error, nothing_to_train, record_launch,
-                                 starting_fresh, summary)
+                                 end_stopped_run, exit_interrupted, exit_with_error,
+                                 launch_lines, summary)
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.speed.fp8.layers import settle_auto_fp8
 from picotron.run.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
 from picotron.utils import StepValues, lr_at, set_cpu_threads, set_seed
 from picotron.data.validation import validation_line, validation_loss, validation_record
-from picotron.run.watchdog import Watchdog
+from picotron.run.watchdog import Watchdog, end_if_peer_failure
 
 
 def setup(config_path, overrides=()):
@@ -200,10 +200,10 @@ def main(argv=None):
     if not config.checkpoint.load_path:    # and a new run over an earlier one's outputs
         check_new_run(run_dir, save_root(config, run_dir))
     import_loggers(config)                 # and a logger whose package is missing
-    watchdog = Watchdog(config)            # a dead or frozen rank, a dead launcher, SIGTERM
-    watchdog.start()
     is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0
                  and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
+    watchdog = Watchdog(config, is_logger)  # dead or frozen ranks, a dead launcher, signals
+    watchdog.start()
     if is_logger:
         print(describe_run(config, pgm, device, run_dir, args.set), flush=True)
     phases = StartupPhases(is_logger, since=set_up_from)   # a line a phase: a slow start shows
@@ -224,19 +224,14 @@ def main(argv=None):
           else contextlib.nullcontext()):
         start_step, tokens_seen, accepted_changes = resume(config, run_dir, model, optimizer,
                                                            pgm, data)
-    if is_logger and not start_step and config.checkpoint.load_path == "latest":  # none yet
-        aside = set_aside_metrics(os.path.join(run_dir, "metrics.jsonl"))
-        print(starting_fresh(save_root(config, run_dir), aside), flush=True)
-    if is_logger:   # resume() said its step, and a schedule that changes: it knows the old one
-        record_launch(run_dir, sys.argv, args.set, start_step)
-        print(f"weights: {model.weights_from}", flush=True)   # drawn, or the last load's
-    if is_logger and start_step >= t.total_train_steps:
-        print(nothing_to_train(start_step, t.total_train_steps), flush=True)
+    if is_logger:   # resume() said its step and a schedule that changes; now the launch
+        launch_lines(config, run_dir, start_step, model.weights_from, args.set)  # record
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), is_logger, config,
                          keep_until_step=start_step)
     # Each step's loss and grad norm are read once the next step is queued, so the GPU never
     # waits for the host to log; validation, checkpoints and the end read them first (flush).
-    log = StepLog(metrics, config, device, tokens_seen=tokens_seen, is_logger=is_logger)
+    log = StepLog(metrics, config, device, tokens_seen=tokens_seen, is_logger=is_logger,
+                  save_dir=save_root(config, run_dir), on_diverged=watchdog.request_stop)
 
     # ---- train --------------------------------------------------------------------------
     started, val, saved, stop = time.perf_counter(), None, None, False
@@ -247,12 +242,13 @@ def main(argv=None):
             log.queued(queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm,
                                   device))
             phases.first_step_queued()
-            watchdog.step = step + 1
-            stop = watchdog.stop_requested(step + 1)    # SIGTERM: all stop after one step
+            watchdog.step = step + 1    # a signal or a diverged loss: all stop after one step
+            stop = watchdog.stop_requested(step + 1)
             every, last = config.checkpoint.save_frequency, step + 1 == t.total_train_steps
             validate = t.val_frequency and (step + 1) % t.val_frequency == 0
             save = ((every and (step + 1) % every == 0) or (last and (every or config.checkpoint
                     .save_final)) or (stop and config.checkpoint.save_on_sigterm))
+            save = save and not (stop and watchdog.stop[0] == "diverged")   # no diverged save
             if not (validate or save or last or stop):
                 continue
             log.flush()
@@ -268,10 +264,11 @@ def main(argv=None):
                                        step + 1, {"tokens_seen": log.tokens_seen,
                                                   "data": data_state(config, step + 1, data),
                                                   "accepted_changes": accepted_changes})
+                watchdog.last_checkpoint = saved
             if stop:
                 break
         saver.wait()           # the save in flight is complete, or its error raised here
-    except BaseException:      # a crash or Ctrl-C: the last finished step is still logged
+    except BaseException:      # a crash: the last finished step is still logged
         with contextlib.suppress(Exception):
             log.flush()
         saver.finish_writing()     # an async save in flight: its checkpoint is not lost
@@ -280,11 +277,8 @@ def main(argv=None):
     if is_logger and start_step < t.total_train_steps:
         print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path),
               flush=True)
-    if stop:                                        # a scheduler's notice: status 143 as a
-        if is_logger:                               # SIGTERM'd process, after saving
-            print(f"stopped by SIGTERM after step {watchdog.step}; resume with --set "
-                  f"checkpoint.load_path=latest", flush=True)
-        raise SystemExit(143)
+    if stop:              # one line, status 143 (SIGTERM) or 130 (Ctrl-C); diverged: an error
+        end_stopped_run(watchdog.stop, watchdog.step, saved, config, is_logger)
     if owns_group:
         dist.destroy_process_group()
 
@@ -297,3 +291,8 @@ if __name__ == "__main__":
         exit_with_error(e, same_on_every_rank=True)
     except (DataError, CheckpointError, RunStopped) as e:
         exit_with_error(e, same_on_every_rank=False)
+    except KeyboardInterrupt:            # Ctrl-C before the watchdog took the signal over
+        exit_interrupted()
+    except BaseException as e:
+        end_if_peer_failure(e)           # a peer gone: one line, not the backend's traceback
+        raise

@@ -187,3 +187,18 @@ def readable_as_usual(path: str) -> None:
         os.chmod(path, 0o666 & ~UMASK)
     except OSError:             # a file system without modes (some network mounts): as it is
         pass
+
+
+def process_gone(pid: int) -> bool:
+    """True when process `pid` (on this machine) has exited, a zombie included."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (OSError, IndexError):
+        return False

@@ -132,6 +132,9 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
     directory = os.path.join(save_root, f"step_{step:06d}")
     snap = Snapshot(directory, pgm.global_rank, dist.get_world_size(),
                     config.checkpoint.keep_last, config.distributed.timeout_s)
+    # Collective under ZeRO (the optimizer shards are gathered), so every rank computes it.
+    opt_state = optimizer.param_state() if optimizer is not None else None
+    _refuse_non_finite(_owned(model, pgm), opt_state or {}, directory)   # never a NaN latest
     _make_tmp_directory(directory, pgm.global_rank)
     if pgm.global_rank == 0:
         snap.state = {"format_version": FORMAT_VERSION, "step": step, **state,
@@ -140,8 +143,6 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
                       "config": config.to_dict()}
         if optimizer is not None:
             snap.state["loss_scale"] = optimizer.scaler.state_dict()
-    # Collective under ZeRO (the optimizer shards are gathered), so every rank computes it.
-    opt_state = optimizer.param_state() if optimizer is not None else None
     snap.shards = {**_shards(model, opt_state, pgm, buffers), **_rng_shard(pgm)}
     amaxes = _fp8_amaxes(model, config, pgm)
     if amaxes is not None and snap.state is not None:
@@ -149,6 +150,30 @@ def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, stat
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()        # the pinned copies have landed: training may go on
     return snap
+
+
+def _refuse_non_finite(owned, opt_state: dict, directory: str) -> None:
+    """Collective: a checkpoint of weights or optimizer moments holding a NaN or an infinity
+    (a diverged run, an fp16 overflow that reached the weights) is not written, so `latest`
+    keeps pointing at the last good one; every rank stops with one message naming it."""
+    bad = None
+    for name, p in owned:
+        tensors = [(name, p)] + [(f"{name} (optimizer {key})", value)
+                                 for key, value in opt_state.get(p, {}).items()]
+        bad = next((n for n, t in tensors if not bool(torch.isfinite(t).all())), None)
+        if bad:
+            break
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, bad)
+    if any(found):
+        rank, name = next((r, n) for r, n in enumerate(found) if n)
+        latest = os.path.join(os.path.dirname(directory), "latest")
+        kept = open(latest).read().strip() if os.path.isfile(latest) else None
+        raise SharedCheckpointError(
+            f"not saving {directory}: {name} holds non-finite values (NaN or inf; rank "
+            f"{rank}), the model has diverged. `latest` stays "
+            f"{kept + ', the last good checkpoint' if kept else 'unset: no good checkpoint'}; "
+            f"resume from it with a lower training.learning_rate (or bfloat16 for float16)")
 
 
 def _make_tmp_directory(directory: str, rank: int) -> None:

@@ -33,6 +33,13 @@ RESUME_CHANGES = ("model.rope_theta", "model.rms_norm_eps", "training.seed",
                   "dataset.num_windows", "dataset.contents")
 
 
+def heartbeat_seconds(distributed) -> float:
+    """distributed.heartbeat_s, or when unset min(60, timeout_s / 2)."""
+    if distributed.heartbeat_s is not None:
+        return distributed.heartbeat_s
+    return min(60.0, distributed.timeout_s / 2)
+
+
 def layout_errors(config, world_size: Optional[int] = None) -> list:
     """Every reason this config cannot run, each with the values involved and a fix.
 
@@ -56,6 +63,16 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
     elif d.zero3_keep_params:
         errors.append(f"distributed.zero3_keep_params applies to zero_stage=3 only (got "
                       f"zero_stage={d.zero_stage}); drop it or set zero_stage=3")
+    if d.heartbeat_s is not None and d.heartbeat_s * 1.25 >= d.timeout_s:
+        errors.append(f"distributed.heartbeat_s={d.heartbeat_s:g} would name a frozen rank "
+                      f"only after up to {d.heartbeat_s * 1.25:g} s (heartbeat_s plus one beat), "
+                      f"not before distributed.timeout_s={d.timeout_s:g} fails the collectives "
+                      f"waiting for it: set heartbeat_s below timeout_s / 1.25 = "
+                      f"{d.timeout_s / 1.25:g}, or leave it unset (min(60, timeout_s / 2))")
+    if 0 < t.divergence_factor <= 1:
+        errors.append(f"training.divergence_factor={t.divergence_factor:g} would stop any run "
+                      f"whose loss is not at its best: use a factor above 1 (e.g. 3, the "
+                      f"default) or 0 (never stop)")
     if d.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         errors.append(f"distributed.grad_reduce_dtype='{d.grad_reduce_dtype}' must be one of "
                       f"{GRAD_REDUCE_DTYPES}: the dtype in which the gradients are summed over "

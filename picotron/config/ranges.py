@@ -117,6 +117,10 @@ RANGES = {
     "training.loss_scale_window": (Range(1, MAX_STEPS), "good steps before the loss scale "
                                                         "doubles"),
     "training.val_frequency": (Range(0, MAX_STEPS), "steps between validations; 0: never"),
+    "training.divergence_factor": (Range(0, 1e6), "times its best the loss may stay above "
+                                                  "before the run stops as diverged; 0: never"),
+    "training.divergence_steps": (Range(1, MAX_STEPS), "steps in a row above it that stop "
+                                                       "the run"),
     "training.max_skipped_steps": (Range(0, MAX_STEPS), "skipped steps in a row that stop the "
                                                         "run; 0: never stop"),
     "training.loss_chunk_tokens": (Range(0, 2 ** 30), "tokens per chunk of the chunked "

@@ -34,8 +34,8 @@ class DistributedConfig:
                                      # reduce-scatter as rings overlapped with its GEMMs
     timeout_s: float = 300.0    # a collective or p2p transfer waiting longer fails the run
     # a rank silent this long is dead or frozen: every other rank stops, naming it
-    # (picotron/run/watchdog.py); far below timeout_s, above any pause of a healthy process
-    heartbeat_s: float = 60.0
+    # (picotron/run/watchdog.py); None: min(60, timeout_s / 2); below timeout_s / 1.25
+    heartbeat_s: Optional[float] = None
 
 
 @dataclass
@@ -90,6 +90,10 @@ class TrainingConfig:
     # for a non-finite gradient; 0: never. fp16's first steps may skip a few while the loss
     # scale finds its level (one halving per skip from 2^16)
     max_skipped_steps: int = 25
+    # the run stops (with a message naming the last checkpoint before it) when the loss stays
+    # above divergence_factor x its best for divergence_steps steps in a row; factor 0: never
+    divergence_factor: float = 3.0
+    divergence_steps: int = 20
     # auto: "triton" on GPUs without tensor parallelism, else "none" | none: logits, then
     # cross-entropy (reference) | chunked: head + loss a chunk of tokens at a time, plain
     # PyTorch | liger: the same with liger-kernel | triton: the same with our Triton kernel,

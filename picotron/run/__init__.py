@@ -5,8 +5,11 @@ is allocated, the checks made before a config is written, and sampling from the 
 Reading order (each file needs only the ones before it):
     output_paths.py        the folders and files a run writes, checked before anything is built
     metrics_log.py         metrics.jsonl, and the loggers beside it (W&B, TensorBoard)
+    divergence.py          the rule that stops a run whose loss has left its best far behind
     step_log.py            one record per optimizer step, logged one step behind; progress
-    watchdog.py            a dead or frozen rank, a dead launcher, SIGTERM
+    launcher.py            what a worker shares with torchrun: its store and its error file
+    stop_signals.py        SIGTERM and Ctrl-C, heard even while the training thread is blocked
+    watchdog.py            a dead or frozen rank, a dead launcher, a stop all ranks agree on
     report.py              a run's first and last lines, the launch record, an error said once
     memory_activations.py  what each layer keeps for backward, path by path, with its formula
     memory_state.py        the weights, gradients and AdamW state of a rank's parameters

@@ -8,16 +8,21 @@ where its outputs are (`summary`). A run that cannot start says why once, not on
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 
 import torch
 
+from picotron.checkpoint.checkpoint import save_root
 from picotron.config.checks import config_warnings
 from picotron.config.overrides import repeated_keys
 from picotron.pipeline_parallel import describe_split
+from picotron.errors import RunStopped
+from picotron.run.metrics_log import set_aside_metrics
+from picotron.run.stop_signals import EXIT_STATUS, NAMES
+from picotron.run.launcher import tell_launcher
 from picotron.utils import count_params, duration, flops_per_token, plural, process_age
-from picotron.run.watchdog import tell_launcher
 
 
 def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
@@ -111,6 +116,20 @@ def config_read(config, world_size: int) -> str:
             f"{d.tp_size} x pp {d.pp_size} x cp {d.cp_size}; setting up")
 
 
+def launch_lines(config, run_dir: str, start_step: int, weights_from: str, overrides) -> None:
+    """The logging rank, after the resume: a resume of `latest` that found no checkpoint (an
+    earlier run's metrics set aside), the launch's record, where the weights came from, and a
+    checkpoint already at the last step."""
+    total = config.training.total_train_steps
+    if not start_step and config.checkpoint.load_path == "latest":       # none yet
+        aside = set_aside_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        print(starting_fresh(save_root(config, run_dir), aside), flush=True)
+    record_launch(run_dir, sys.argv, overrides, start_step)
+    print(f"weights: {weights_from}", flush=True)   # drawn, or the last load's
+    if start_step >= total:
+        print(nothing_to_train(start_step, total), flush=True)
+
+
 def starting_fresh(save_dir: str, metrics_aside) -> str:
     """A resume of `latest` that finds no checkpoint starts at step 0, and says so."""
     return (f"no checkpoint under {save_dir} yet: starting at step 0"
@@ -144,6 +163,35 @@ class StartupPhases:
         if self.mark is not None:
             self.done("first step queued")
             self.mark = None
+
+
+def end_stopped_run(stop, step: int, saved, config, is_logger: bool) -> None:
+    """The end of a run every rank stopped after step `step` (picotron/run/watchdog.py):
+    `stop` is (reason, message); `saved` the last checkpoint this launch saved, or None. A
+    signal: one line and the status of a process that signal killed (SIGTERM 143, Ctrl-C
+    130), as a scheduler expects; a diverged loss: an error, status 2."""
+    reason, message = stop
+    if reason == "diverged":
+        raise RunStopped(message)
+    signum = signal.Signals[reason]
+    if is_logger:
+        if saved and saved.endswith(f"step_{step:06d}"):
+            kept = f"checkpoint {saved} saved"
+        else:
+            kept = (f"not saved (checkpoint.save_on_sigterm=false); the last checkpoint: "
+                    f"{saved or 'none from this launch'}")
+        print(f"stopped by {NAMES[signum]} after step {step}: {kept}; resume with --set "
+              f"checkpoint.load_path=latest", flush=True)
+    raise SystemExit(EXIT_STATUS[signum])
+
+
+def exit_interrupted() -> None:
+    """Ctrl-C before training began (the watchdog takes the signal over from then on): one
+    line from rank 0, status 130, no traceback from any rank."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print("interrupted (Ctrl-C) while starting: nothing was trained", file=sys.stderr,
+              flush=True)
+    sys.exit(130)
 
 
 def exit_with_error(error: Exception, same_on_every_rank: bool) -> None:

@@ -27,6 +27,7 @@ import time
 import torch
 
 from picotron.errors import RunStopped
+from picotron.run.divergence import DivergenceCheck
 from picotron.utils import flops_per_token, format_step, peak_flops
 
 
@@ -52,8 +53,11 @@ class StepLog:
     Every rank reads its values (so all ranks stay in step), `metrics` writes on the logging
     rank only, and the logging rank prints every `logging.log_frequency` steps."""
 
-    def __init__(self, metrics, config, device, tokens_seen: int = 0, is_logger: bool = True):
+    def __init__(self, metrics, config, device, tokens_seen: int = 0, is_logger: bool = True,
+                 save_dir=None, on_diverged=None):
         self.metrics, self.config, self.device = metrics, config, device
+        # a diverged loss: on_diverged("diverged", message) asks every rank to stop
+        self.divergence, self.on_diverged = DivergenceCheck(config.training, save_dir), on_diverged
         self.tokens_seen = tokens_seen          # tokens of all logged steps
         self.is_logger = is_logger
         self.tokens_per_step = config.global_batch_size * config.training.seq_length
@@ -121,6 +125,9 @@ class StepLog:
         if self.is_logger and record["step"] % self.config.logging.log_frequency == 0:
             print(format_step(record, on_cpu=self.device.type == "cpu"), flush=True)
         self._count_skipped(record)
+        diverged = self.divergence.update(record["step"], record["loss"])
+        if diverged and self.on_diverged is not None:
+            self.on_diverged("diverged", diverged)
 
     def _progress(self, done: int) -> dict:
         """Elapsed time of this launch and the time left, from the mean step since the first

@@ -1,123 +1,283 @@
-"""Faults a run must notice: a rank that died or froze, a launcher that died, a SIGTERM.
+"""Faults a run must notice, each ended by one line naming the rank, the step and the fix.
 
 Without this, a frozen rank (stopped, swapped out, its GPU hung) is noticed only when a
 collective waiting for it passes `distributed.timeout_s` (300 s by default), and then by a
 healthy rank, whose timeout is what the launcher reports; a dead launcher leaves its workers
-training unsupervised; a SIGTERM (what a cluster scheduler sends before it kills a job)
-throws away every step since the last checkpoint.
+training unsupervised; a dead peer shows as a backend's traceback on every rank; a SIGTERM (a
+scheduler's notice) or a Ctrl-C throws away every step since the last checkpoint.
 
-- Heartbeat. A thread on every rank writes `(time, step)` under its rank in the launcher's
-  key-value store every `heartbeat_s / 4` seconds, and reads everyone else's. A rank whose
-  heartbeat is older than `distributed.heartbeat_s` is dead or frozen: the thread prints
-  which rank, its last step and how long it has been silent, writes the same to torchrun's
-  error file and ends this process (status 3). The thread runs beside the training thread
-  (torch's ops release the GIL), so a long step or a checkpoint write never looks like a
-  freeze; a stopped or dead process writes nothing. Detection takes at most heartbeat_s
-  plus one interval (tests/test_faults.py measures it).
-- The launcher. The same thread checks that the process's parent is still the one that
-  started it; when torchrun is killed, its workers exit (status 3) instead of training on.
-- SIGTERM. The handler only raises a flag and publishes a stop step in the store (two steps
-  ahead, the first writer wins), so every rank stops after the same step, however many
-  steps apart their signals arrived; train.py then saves a checkpoint (when
-  `checkpoint.save_on_sigterm`) and exits with status 143, like a process killed by SIGTERM.
+A thread on every rank (`Watchdog`) watches; torch's ops release the GIL, so it runs beside
+the training thread, and a long step or a checkpoint write never looks like a freeze.
+Every `TICK_S` it:
+- reads the signals the main thread cannot handle while blocked (picotron/run/stop_signals.py);
+- checks the peers on this machine by their process ids (published in the launcher's store):
+  a rank that died is named at once, even while this one waits on it in a collective or in a
+  checkpoint write;
+- checks that this process's parent is still the launcher that started it.
+It beats (a counter and its step, under its rank, in the launcher's store) at each new step
+and every `heartbeat_s / 4`, when it also reads everyone else's beat. A beat unchanged for
+`heartbeat_s` is a dead or frozen rank, on any machine. Detection takes at most heartbeat_s
+plus one interval, so heartbeat_s defaults to min(60, timeout_s / 2) and is refused at
+timeout_s / 1.25 or above (picotron/config/checks.py): a frozen rank is named before its
+peers' collectives time out.
+A store that stops answering is a launcher gone.
+
+Stops every rank agrees on (a signal, a diverged loss) go through the store: the first rank to
+ask publishes the step all stop after, two ahead of its own (a rank can be one step ahead of
+another, never two), and every rank checks for it after each step (`stop_requested`).
 """
+import atexit
+import contextlib
 import json
 import os
-import signal
+import select
+import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
-STOP_KEY, BEAT_KEY = "picotron/stop_after_step", "picotron/heartbeat/"
+from picotron.config.checks import heartbeat_seconds
+from picotron.run.launcher import launcher_store, tell_launcher
+from picotron.run.stop_signals import AT_ONCE_AFTER_S, NAMES, StopSignals
+from picotron.utils import process_gone
+
+STOP_KEY, BEAT_KEY, PROCESS_KEY, DONE_KEY = "stop", "heartbeat/", "process/", "done/"
+TICK_S = 0.5
+RESUME = "resume with --set checkpoint.load_path=latest"
+_running = None             # this process's started, not yet closed, Watchdog
 
 
-def launcher_store():
-    """A client of torchrun's key-value store (the one the process group rendezvoused
-    through), or None when this process was not started by a launcher."""
-    if "MASTER_ADDR" not in os.environ or "RANK" not in os.environ:
-        return None
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=timedelta(seconds=30))
+def is_peer_failure(error: BaseException) -> bool:
+    """A collective that failed because a peer is gone (gloo raises RuntimeError, naming its
+    transport; NCCL and the store raise torch's DistError)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and any(
+        s in text for s in ("gloo/transport", "Connection closed by peer",
+                            "Connection reset by peer", "Broken pipe"))
+
+
+class _Closed(Exception):
+    """A store call failed after close(): the launcher may go once the run is over."""
+
+
+def end_if_peer_failure(error: BaseException) -> None:
+    """For the exception leaving train.py: when it is a collective that failed because a
+    peer is gone, end with the watchdog's one line instead of the backend's traceback."""
+    if _running is not None and is_peer_failure(error):
+        _running.collective_failed(error)
 
 
 class Watchdog:
-    """watchdog = Watchdog(config); watchdog.start(); each step: watchdog.step = k, and
-    `if watchdog.stop_requested(k): save and exit`; at the end, watchdog.close()."""
+    """watchdog = Watchdog(config, is_logger); watchdog.start(); after each step k:
+    watchdog.step = k; `if watchdog.stop_requested(k)`: save per `watchdog.stop` and exit; at
+    the end watchdog.close(); a collective that failed: watchdog.collective_failed(error)."""
+    runs = 0                                # Watchdogs made in this process so far
 
-    def __init__(self, config):
+    def __init__(self, config, is_logger: bool):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.limit = config.distributed.heartbeat_s
-        self.step, self.stop_step, self.sigterm = 0, None, False
+        self.is_logger = is_logger
+        self.limit = heartbeat_seconds(config.distributed)
+        self.step, self.stop, self.stop_step = 0, None, None   # stop: (reason, message)
+        self.last_checkpoint = None     # the newest complete checkpoint, for the messages
         self.parent = os.getppid()
-        self.store = launcher_store() if self.world > 1 else None
-        self.closed = threading.Event()
+        self.launched = "RANK" in os.environ
+        Watchdog.runs += 1                  # the same count on every rank
+        self.store = launcher_store(Watchdog.runs) if self.world > 1 else None
+        self.signals, self.first_sigint = StopSignals(), None
+        self.closed, self.failing = threading.Event(), threading.Lock()
+        self.peers = {}                 # rank -> pid, for the ranks on this machine
+        self.count, self.beaten_step = 0, None      # this rank's beats, the step of its last
 
     def start(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.store is not None or "RANK" in os.environ:
-            threading.Thread(target=self._watch, name="picotron-watchdog", daemon=True).start()
+        global _running
+        self.signals.install()
+        if self.store is not None:
+            self._store(self.store.set, f"{PROCESS_KEY}{self.rank}",
+                        json.dumps([socket.gethostname(), os.getpid()]))
+        atexit.register(self.close, "exited (its own output says why)")
+        _running = self
+        threading.Thread(target=self._watch, name="picotron-watchdog", daemon=True).start()
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """The run ended here (`outcome`: "finished", or how it ended): peers that outlive
+        this rank do not take its exit for a death. Main thread; also called at exit."""
+        global _running
+        if self.closed.is_set():
+            return
         self.closed.set()
+        self._tell_peers(outcome)
+        self.signals.wake()
+        self.signals.restore()
+        atexit.unregister(self.close)
+        _running = None
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.sigterm = True
-        if self.store is not None:    # the first rank to hear it picks the step all stop after
-            self.store.compare_set(STOP_KEY, "", str(self.step + 2))
+    # ---- stops every rank agrees on -----------------------------------------------------
+    def request_stop(self, reason: str, message: str = "") -> None:
+        """Ask every rank to stop after the same step (any thread). `reason`: a signal's
+        name or "diverged"; the first request wins."""
+        if self.stop is not None:
+            return
+        self.stop = (reason, message)
+        if self.store is not None:
+            value = json.dumps([self.step + 2, reason, message])
+            self._store(self.store.compare_set, STOP_KEY, "", value)
 
     def stop_requested(self, step: int) -> bool:
-        """True once step `step` (counted from 1, just finished) is the one to stop after."""
-        if not self.sigterm and (self.store is None or not self.store.check([STOP_KEY])):
-            return False
+        """True once step `step` (counted from 1, just finished) is the one to stop after;
+        `self.stop` then says why."""
         if self.stop_step is None:
-            self.stop_step = int(self.store.get(STOP_KEY)) if self.store else step
-        return step >= self.stop_step
+            if self.store is not None and self._store(self.store.check, [STOP_KEY]):
+                self.stop_step, reason, message = json.loads(self._store(self.store.get,
+                                                                         STOP_KEY))
+                self.stop = (reason, message)
+            elif self.store is None and self.stop is not None:
+                self.stop_step = step
+        return self.stop_step is not None and step >= self.stop_step
 
+    # ---- the thread -----------------------------------------------------------------------
     def _watch(self) -> None:
-        every = self.limit / 4
-        first_seen = {}           # rank -> when this rank first looked for its heartbeat
-        while not self.closed.wait(every):
-            if os.getppid() != self.parent:
+        with contextlib.suppress(_Closed):     # a store call after close(): the run is over
+            self._watch_until_closed()
+
+    def _watch_until_closed(self) -> None:
+        every, last_check, beats = self.limit / 4, None, {}
+        while not self.closed.is_set():
+            for signum in self.signals.received():
+                self._on_signal(signum)
+            if self.closed.is_set():
+                break
+            if self.launched and os.getppid() != self.parent and self.first_sigint:
+                self._stop_at_once()           # a second Ctrl-C that ended the launcher
+            if self.launched and os.getppid() != self.parent:
                 self._fail(f"the launcher (pid {self.parent}) is gone; this worker stops "
-                           f"instead of training unsupervised")
-            if self.store is None:
-                continue
-            now = time.time()
-            self.store.set(f"{BEAT_KEY}{self.rank}", json.dumps([now, self.step]))
+                           f"instead of training unsupervised", tell_peers=False)
+            if self.store is not None:
+                self._check_local_peers()
+                if self.step != self.beaten_step:      # each new step, at most once a tick
+                    self._beat()
+                if last_check is None or time.monotonic() - last_check >= every:
+                    last_check = time.monotonic()
+                    self._beat()
+                    self._check_beats(beats)
+            select.select([self.signals], [], [], TICK_S)
+
+    def _on_signal(self, signum) -> None:
+        now = time.monotonic()
+        if self.first_sigint is not None and now - self.first_sigint >= AT_ONCE_AFTER_S:
+            self._stop_at_once()           # a second Ctrl-C, or torchrun's SIGTERM after it
+        if signum.name == "SIGINT" and self.first_sigint is None:
+            self.first_sigint = now
+        self.request_stop(signum.name, NAMES[signum])
+
+    def _stop_at_once(self) -> None:
+        """A second Ctrl-C: end now. A checkpoint being written stays a `.tmp` folder, which
+        no resume takes (picotron/checkpoint/find.py)."""
+        with self.failing:
+            if self.is_logger:
+                last = self.last_checkpoint or "none yet"
+                print(f"stopped at once by a second Ctrl-C during step {self.step + 1}; "
+                      f"nothing more is saved (a save in progress is left unfinished, never "
+                      f"taken); the last complete checkpoint: {last}; {RESUME}",
+                      file=sys.stderr, flush=True)
+            self._tell_peers("stopped at once by a second Ctrl-C")
+            os._exit(130)
+
+    def _peer_pids(self) -> dict:
+        """{rank: pid} of the other ranks on this machine, read once all have published."""
+        if len(self.peers) < self.world - 1 and self._store(
+                self.store.check, [f"{PROCESS_KEY}{r}" for r in range(self.world)]):
+            host = socket.gethostname()
             for r in range(self.world):
-                if r == self.rank:
-                    continue
-                key = f"{BEAT_KEY}{r}"
-                if self.store.check([key]):
-                    beat, step = json.loads(self.store.get(key))
-                else:                       # not started beating yet: count from now
-                    beat, step = first_seen.setdefault(r, now), None
-                if now - beat > self.limit:
-                    at = f"its last step was {step}" if step is not None else "it never beat"
-                    self._fail(f"rank {r} has sent no heartbeat for {now - beat:.1f} s "
-                               f"(distributed.heartbeat_s={self.limit:g}); {at}: it died or "
-                               f"froze. Resume with --set checkpoint.load_path=latest")
+                where, pid = json.loads(self._store(self.store.get, f"{PROCESS_KEY}{r}"))
+                if r != self.rank:
+                    self.peers[r] = pid if where == host else None
+        return {r: pid for r, pid in self.peers.items() if pid is not None}
 
-    def _fail(self, message: str) -> None:
-        """Say why once, where torchrun's report will show it, and end this process now
-        (the training thread may be blocked in a collective that will never return)."""
-        text = f"error (rank {self.rank}, step {self.step}): {message}"
-        print(text, file=sys.stderr, flush=True)
-        tell_launcher(text)
-        os._exit(3)
+    def _gone_peer(self, died_only: bool):
+        """(rank, what happened) of a peer on this machine that has exited without finishing
+        the run, or None. A rank that exits on its own (an error it reports, a stop) says so
+        first (`close`, or at exit); one that says nothing died (kill -9, a crash in C)."""
+        for r, pid in self._peer_pids().items():
+            if not process_gone(pid):
+                continue
+            if not self._store(self.store.check, [f"{DONE_KEY}{r}"]):
+                return r, f"rank {r} (pid {pid}) died"
+            outcome = self._store(self.store.get, f"{DONE_KEY}{r}").decode()
+            if outcome != "finished" and not died_only:
+                return r, f"rank {r} {outcome}"
+        return None
 
+    def _check_local_peers(self) -> None:
+        gone = self._gone_peer(died_only=True)
+        if gone is not None:
+            self._fail(f"{gone[1]}; this rank stops too")
 
-def tell_launcher(text: str) -> bool:
-    """Write `text` to torchrun's error file (TORCHELASTIC_ERROR_FILE), in the format its
-    closing report reads back, so the report shows it as this rank's failure instead of "To
-    enable traceback...". False when no launcher asked for one."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file:
-        return False
-    with open(error_file, "w") as f:
-        json.dump({"message": {"message": text, "extraInfo": {
-            "py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
-    return True
+    def _beat(self) -> None:
+        self.count, self.beaten_step = self.count + 1, self.step
+        self._store(self.store.set, f"{BEAT_KEY}{self.rank}", json.dumps([self.count,
+                                                                          self.step]))
+
+    def _check_beats(self, beats: dict) -> None:
+        """Fail on a peer whose beat has not changed for heartbeat_s. `beats`: rank -> (its
+        beat as last read, when it was first read so)."""
+        now = time.monotonic()
+        for r in range(self.world):
+            if r == self.rank or self._store(self.store.check, [f"{DONE_KEY}{r}"]):
+                continue
+            key = f"{BEAT_KEY}{r}"
+            beat = self._store(self.store.get, key) if self._store(self.store.check,
+                                                                   [key]) else None
+            if r not in beats or beats[r][0] != beat:       # first read, or it beat since
+                beats[r] = (beat, now)
+            silent = now - beats[r][1]
+            if silent > self.limit:
+                at = (f"it stopped beating at step {json.loads(beat)[1]}" if beat is not None
+                      else "it never beat: it froze or died while starting")
+                self._fail(f"rank {r} has sent no heartbeat for {silent:.1f} s "
+                           f"(distributed.heartbeat_s={self.limit:g}); {at}")
+
+    # ---- ending ----------------------------------------------------------------------------
+    def collective_failed(self, error: BaseException) -> None:
+        """Main thread: a collective raised because a peer is gone. Name the peer when it can
+        be seen (a process on this machine; up to 3 s for its exit to show), then end."""
+        time.sleep(0.2)    # a signal that came with the failure is the thread's to act on
+        deadline, gone = time.monotonic() + 3.0, None
+        while self.store is not None and gone is None and time.monotonic() < deadline:
+            gone = self._gone_peer(died_only=False)
+            time.sleep(0.05)
+        text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        what = gone[1] if gone else f"a peer's connection failed ({type(error).__name__}: {text})"
+        self._fail(f"a collective failed: {what}; this rank stops too")
+
+    def _store(self, call, *args):
+        """A store call; a store that stops answering means the launcher is gone."""
+        try:
+            return call(*args)
+        except Exception as e:              # noqa: BLE001 - torch's store errors vary
+            if self.closed.is_set():
+                raise _Closed() from e
+            self._fail(f"the launcher's key-value store stopped answering ({type(e).__name__}"
+                       f"): the launcher (pid {self.parent}) is gone or unreachable; this "
+                       f"worker stops instead of training unsupervised", tell_peers=False)
+
+    def _fail(self, message: str, tell_peers: bool = True) -> None:
+        """Say why once, with how to resume, where torchrun's report will show it, and end
+        this process now (the training thread may be blocked in a collective that will never
+        return). `tell_peers`: leave the cause in the store, for the ranks that outlive this."""
+        with self.failing:
+            last = (f" (the last complete checkpoint: {self.last_checkpoint})"
+                    if self.last_checkpoint else "")
+            text = f"error (rank {self.rank}, step {self.step}): {message}; {RESUME}{last}"
+            print(text, file=sys.stderr, flush=True)
+            tell_launcher(text)
+            if tell_peers:
+                self._tell_peers(f"stopped: {message}")
+            os._exit(3)
+
+    def _tell_peers(self, outcome: str) -> None:
+        """Leave why this rank ends in the store, for the ranks that outlive it to relay."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{DONE_KEY}{self.rank}", outcome)
