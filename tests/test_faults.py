@@ -237,7 +237,7 @@ def test_a_frozen_rank_is_named_before_the_collective_timeout(tmp_path):
     """distributed.timeout_s=30 and heartbeat_s unset (min(60, 30 / 2) = 15 s): the frozen
     rank is named, with the step it stopped at, before gloo's timeout would fire."""
     path = config_for(tmp_path, "frozen", "dp2-pp2", heartbeat_s=None, timeout_s=30)
-    proc = start(path)
+    proc = start(path, "--set", f"training.total_train_steps={STEPS * 50}")
     wait_for(lambda: logged_steps(path) >= 3)
     time.sleep(1.0)                    # two of the watchdog's ticks: rank 1 has beaten since
     frozen = workers(proc.pid)[1]
