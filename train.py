@@ -35,7 +35,7 @@ from picotron.run.report import (StartupPhases, config_read, data_warning, descr
                                  end_stopped_run, exit_interrupted, exit_with_error,
                                  launch_lines, summary)
 from picotron.speed import apply_speed, build_optimizer, capture_layers
-from picotron.speed.fp8.layers import settle_auto_fp8
+from picotron.speed.fp8.layers import fp8_step_values, settle_auto_fp8
 from picotron.run.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
 from picotron.utils import StepValues, lr_at, set_cpu_threads, set_seed
@@ -169,7 +169,8 @@ def queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm, dev
     if step + 1 < t.total_train_steps:       # cut and queue the next step's batches now,
         batches.prefetch(step + 1)           # while the device still runs this step
     return StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
-                       "skipped": skipped, "loss_scale": optimizer.scaler.scale}, device)
+                       "skipped": skipped, "loss_scale": optimizer.scaler.scale,
+                       **fp8_step_values(model)}, device)     # delayed FP8's saturation
 
 
 def parse_args(argv=None):

@@ -52,6 +52,7 @@ import train  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
 from picotron.data.windows import StepBatches, SyntheticData  # noqa: E402
 from picotron.process_group_manager import ProcessGroupManager  # noqa: E402
+from picotron.speed.fp8.layers import fp8_step_values  # noqa: E402
 from picotron.utils import StepValues, count_params, flops_per_token  # noqa: E402
 from bench_config import base_config, cached_materialize, shape_model  # noqa: E402,F401
 from gpu_clock import ClockSampler  # noqa: E402
@@ -107,7 +108,8 @@ def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, at
         batches.prefetch(i + 1)
         if read_now:                    # the "item" rows: wait for this step's loss
             return loss.item()
-        pending.append(StepValues({"loss": loss}, device))
+        # with the roll and its saturation counts, as train.py's queue_step reads them
+        pending.append(StepValues({"loss": loss, **fp8_step_values(model)}, device))
         return pending.pop(0).read()["loss"] if len(pending) == 2 else float("nan")
     return step, config.model
 

@@ -74,13 +74,26 @@ def format_step(r: dict, on_cpu: bool = False) -> str:
     if "elapsed_s" in r:
         left = "" if r.get("eta_s") is None else f", {duration(r['eta_s'])} left"
         when = f" | {duration(r['elapsed_s'])}{left}"
+    # delayed FP8 (picotron/speed/fp8/saturation.py): the sites whose tensors outgrew their
+    # scales this step, and at the first non-finite loss, what the step before it saturated
+    def saturated(at: dict) -> str:
+        if not at["fp8_saturated_sites"]:
+            return "no FP8 site saturated"
+        ratio = at["fp8_worst_ratio"]
+        worst = f"{ratio:,.1f}x" if ratio is not None and math.isfinite(ratio) else "non-finite"
+        return (f"FP8 saturated at {plural(at['fp8_saturated_sites'], 'site')}, worst {worst} "
+                f"at {at['fp8_worst_site']}")
+    fp8 = f" | {saturated(r)}" if r.get("fp8_saturated_sites") else ""
+    if "fp8_saturated_before" in r:
+        before = r["fp8_saturated_before"]
+        fp8 += f" | loss non-finite; at step {before['step']}: {saturated(before)}"
     return (f"{where} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens']:,} tokens | "
             f"{r['tokens_per_s']:,.0f} tok/s | "
             f"{speed} | "
             f"mem {r['peak_mem_gb']:.1f} GB | {r['step_time_s'] * 1000:.0f} ms{when}"
             + (f" | loss scale {r['loss_scale']:g}" if "loss_scale" in r else "")
-            + (" | non-finite gradient: step skipped" if r.get("skipped") else ""))
+            + (" | non-finite gradient: step skipped" if r.get("skipped") else "") + fp8)
 
 
 def process_age():

@@ -111,7 +111,8 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path, capsys):
         load_checkpoint(os.path.join(root, f"step_{saved:06d}"), run[3][0], run[3][3], run[1],
                         run[0])
         ledger = run[3][0].fp8_ledger
-        assert not ledger.calibrating and ledger.state() == went_on[saved][1]
+        # went_on[k]: after step k + 1, whose end rolled (train.py's queue_step)
+        assert not ledger.calibrating and ledger.state() == went_on[saved - 1][1]
         resumed, resumed_weights = steps(run, saved, STEPS)
         assert resumed == went_on[saved:], saved
         assert all(torch.equal(resumed_weights[n], w) for n, w in weights.items())

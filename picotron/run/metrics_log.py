@@ -52,6 +52,20 @@ def read_records(path: str):
     return records, broken
 
 
+def saturated_steps(path: str, after_step: int) -> list:
+    """The records after `after_step` of the steps in which delayed FP8 saturated (a count
+    of `fp8_saturated_sites`: picotron/speed/fp8/saturation.py), for the run's summary; []
+    when the file cannot be read."""
+    try:
+        records, _ = read_records(path)
+    except OSError:
+        return []
+    # the key is in a saturated step's line (and in fp8_saturated_before): parse only those
+    found = (json.loads(line) for step, line in records
+             if step > after_step and '"fp8_worst_site"' in line)
+    return [record for record in found if record.get("fp8_saturated_sites")]
+
+
 def step_ranges(steps: set) -> str:
     """{2, 3, 4, 9} -> '2-4, 9' ('' for none)."""
     runs, ordered = [], sorted(steps)

@@ -7,6 +7,7 @@ where its outputs are (`summary`). A run that cannot start says why once, not on
 """
 import datetime
 import json
+import math
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ from picotron.config.checks import config_warnings
 from picotron.config.overrides import repeated_keys
 from picotron.pipeline_parallel import describe_split
 from picotron.errors import RunStopped
-from picotron.run.metrics_log import set_aside_metrics
+from picotron.run.metrics_log import saturated_steps, set_aside_metrics
 from picotron.run.stop_signals import EXIT_STATUS, NAMES
 from picotron.run.launcher import tell_launcher
 from picotron.utils import count_params, duration, flops_per_token, plural, process_age
@@ -48,6 +49,12 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
               f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
               f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
               f"tokens/step; {t.total_train_steps} steps; dtype {t.dtype}; run dir {run_dir}"]
+    if t.fp8 != "none":
+        lines.append(f"FP8: the decoder layers' projection GEMMs (q/k/v, o, gate/up, down) run in "
+                     f"FP8 with the {t.fp8} recipe" + (
+                         " (each scale from the previous step's amax; saturation counted in "
+                         "metrics.jsonl and guarded)" if t.fp8 == "tensorwise_delayed" else "")
+                     + "; --set training.fp8=none runs them in bf16")
     if d.pp_size > 1:
         lines.append(describe_split(config))
     lines += [f"warning: {w}" for w in repeated_keys(overrides) + config_warnings(config)]
@@ -98,6 +105,13 @@ def summary(log, started: float, start_step: int, total_steps: int, val, checkpo
         parts.append(f"final loss {last['loss']:.4f}")
     if log.skipped_total:
         parts.append(f"{log.skipped_total} steps skipped (non-finite gradient)")
+    saturated = saturated_steps(metrics_path, start_step)    # delayed FP8's, in metrics.jsonl
+    if saturated:
+        worst = max(saturated, key=lambda r: r["fp8_worst_ratio"] or math.inf)   # null: NaN
+        ratio = worst["fp8_worst_ratio"]
+        parts.append(f"FP8 saturated at {plural(len(saturated), 'step')} (worst "
+                     f"{'non-finite' if ratio is None else f'{ratio:,.1f}x'} at step "
+                     f"{worst['step']}, {worst['fp8_worst_site']})")
     if val is not None:
         parts.append(f"val loss {val['val_loss']:.4f}" + (
             f" ({val['val_bits_per_byte']:.4f} bits per byte)" if "val_bits_per_byte" in val

@@ -21,6 +21,7 @@ a step logged after a checkpoint would count the checkpoint. Instead `start()` a
 - on CPU, the host's clock: every op runs synchronously inside the step's queueing, so the
   time between the two marks is the step's work.
 """
+import math
 import resource
 import time
 
@@ -119,6 +120,18 @@ class StepLog:
                   "skipped": bool(r["skipped"])}   # a non-finite gradient norm: no update
         if self.config.training.dtype == "float16":
             record["loss_scale"] = r["loss_scale"]
+        if "fp8_worst_ratio" in r:   # delayed FP8: the sites whose tensors outgrew their scales
+            sites = record["fp8_saturated_sites"] = int(r["fp8_saturated_sites"])
+            record["fp8_worst_ratio"] = r["fp8_worst_ratio"]
+            if sites:
+                record["fp8_worst_site"] = r["fp8_sites"][int(r["fp8_worst_site"])]
+            before = self.last_record or {}
+            if (not math.isfinite(r["loss"]) and math.isfinite(before.get("loss", math.nan))
+                    and "fp8_saturated_sites" in before):
+                # the first non-finite loss: what the step before it saturated
+                record["fp8_saturated_before"] = {k: before[k] for k in (
+                    "step", "fp8_saturated_sites", "fp8_worst_ratio", "fp8_worst_site")
+                    if k in before}
         record.update(self._progress(step + 1))
         self.metrics.write(record)
         self.last_record = record

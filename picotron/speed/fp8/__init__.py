@@ -6,10 +6,12 @@ introduction: the two formats, what a scale is, the three GEMMs of a linear):
     cast.py             the casts as our own Triton kernels (amax, scale, rounding)
     quantize.py         one operand to FP8 with its scales: the torch reference, or cast.py
     weights.py          a weight cast once per optimizer step instead of at every use
+    saturation.py       the delayed scales' check at each step: saturation counted, guarded
     delayed.py          "tensorwise_delayed": the previous step's amaxes as this step's scales
     linear.py           a linear's three GEMMs in FP8, tensorwise or rowwise scales
     fused.py            the casts written by the SwiGLU kernels that produce the operands
     delayed_swiglu.py   the SwiGLU kernels writing only FP8 under delayed scales
     triton_layers.py    the fused q/k/v and gate/up projections as one FP8 GEMM each
-    layers.py           `apply_fp8`: the decoder projections swapped for FP8 subclasses
+    layers.py           `apply_fp8`: the decoder projections swapped for FP8 subclasses;
+                        `fp8_step_values`, what a step's record says of them
 """

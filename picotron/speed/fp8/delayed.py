@@ -14,7 +14,9 @@ A site is one operand of one projection: its input x (one site for the projectio
 the same x, fp8_layers.READ_THE_INPUT), its output gradient dy, and, in the recomputing
 SwiGLU + down projection (triton_layers.py), h. A value above A_s saturates at the
 format's max instead of setting the scale (Transformer Engine's delayed scaling accepts the
-same); bench/fp8_convergence.py is the check that training does not notice.
+same); bench/fp8_convergence.py is the check that training does not notice. The roll sees
+it afterwards (seen_s over A_s), counts the sites where it went far, and then holds every
+scale at its peak for a few steps (saturation.py).
 The weights keep their exact per-step scales (weights.py): they are cast once a step.
 
 The first step has no amaxes yet. It calibrates: every cast takes its own amax first, as
@@ -34,9 +36,11 @@ layout computes the scales one process computes over the same global batch, and 
 accumulation in one process equals data parallelism. The roll is one all-reduce per group of
 a few bytes per site, once a step.
 
-When the roll runs: before the model's first forward after the weights changed, which an
-optimizer step (and a checkpoint load) does: the same signal the weight caches use
-(weights.py), read from one projection weight in a forward pre-hook on the model.
+When the roll runs: at the end of each optimizer step, where train.py collects the step's
+values (`end_step`: its saturation counts go out with them), and otherwise before the
+model's first forward after the weights changed, which an optimizer step (and a checkpoint
+load) does: the same signal the weight caches use (weights.py), read from one projection
+weight in a forward pre-hook on the model.
 Casts record only under autograd (validation's forwards do not move training's scales), and
 a site that saw only zeros keeps its last amax.
 
@@ -51,6 +55,8 @@ rest (`calibrating` is host state its graph is specialized on).
 """
 import torch
 import torch.distributed as dist
+
+from picotron.speed.fp8.saturation import FACTORS, SaturationGuard
 
 # Each site's `seen` is SLOTS int32 places, SLOT_STRIDE apart (128 bytes: one cache line each),
 # and a cast kernel's program maxes into the one its grid index picks, so that no address
@@ -121,7 +127,7 @@ class AmaxLedger:
     def __init__(self, groups=(), sequence_group=None):
         self.names, self.sites, self.groups = [], [], [g for g in groups if g is not None]
         self.sequence_group = sequence_group
-        self.scale_amax = self.seen = None
+        self.scale_amax = self.seen = self.guard = None
         self.calibrating = True
         self.watched, self.version = None, None
 
@@ -139,8 +145,10 @@ class AmaxLedger:
     def buffers(self, device):
         """(scale_amax (S,) fp32, seen (S, SLOTS, SLOT_STRIDE) int32), made before the model's
         first forward (on its device), or the first cast's when there is no model; each site
-        takes its views of them then."""
+        takes its views of them then. The saturation guard's state is made with them."""
         if self.scale_amax is None:
+            self.guard = SaturationGuard([FACTORS["dy" if n.endswith(GRADIENT) else "x"]
+                                          for n in self.names], device)
             self.scale_amax = torch.zeros(len(self.names), dtype=torch.float32, device=device)
             self.seen = torch.zeros((len(self.names), SLOTS, SLOT_STRIDE), dtype=torch.int32,
                                     device=device)
@@ -162,24 +170,40 @@ class AmaxLedger:
             self.roll()
         self.version = version
 
+    def end_step(self) -> dict:
+        """The roll, at the end of an optimizer step, skipped or not (the next forward then
+        finds it done), and what it found: {"fp8_saturated_sites", "fp8_worst_ratio",
+        "fp8_worst_site": () device tensors (saturation.py), "fp8_sites": the site names}."""
+        if self.seen is None:
+            return {}
+        self.roll()
+        self.version = self.watched.weight._version if self.watched is not None else None
+        count, worst, where = self.guard.last
+        return {"fp8_saturated_sites": count, "fp8_worst_ratio": worst,
+                "fp8_worst_site": where, "fp8_sites": tuple(self.names)}
+
     def roll(self):
-        """A_s = the global max of what site s saw this step; seen = 0; calibration over."""
+        """A_s = the global max of what site s saw this step (while the guard holds the
+        scales, the largest since: saturation.py); seen = 0; calibration over."""
         if self.seen is None:
             return                                          # nothing was cast yet
-        self.scale_amax.copy_(self._next_scale_amax())
+        self.scale_amax.copy_(self.guard.roll(self._global_seen(), self.scale_amax,
+                                              self.calibrating))
         self.seen.zero_()
         self.calibrating = False
 
     def _next_scale_amax(self):
-        """(S,) fp32: what the roll sets A_s to, the global max of what site s saw this step
-        (all-reduced over the ledger's groups: collective), or A_s itself where it saw only
-        zeros."""
+        """(S,) fp32: what the roll sets A_s to, leaving the ledger as it is (collective)."""
+        return self.guard.next_amax(self._global_seen(), self.scale_amax, self.calibrating)[0]
+
+    def _global_seen(self):
+        """(S,) fp32: the global max of what each site saw this step, all-reduced over the
+        ledger's groups (collective); 0 where it saw only zeros."""
         seen = self.seen_amaxes().view(torch.float32)
         for group in self.groups:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-        # != 0, not > 0: a NaN amax stays, so a run that went NaN shows it
-        return torch.where(seen != 0, seen, self.scale_amax)
+        return seen
 
     def seen_amaxes(self):
         """(S,) int32: each site's largest |value| since the last roll, as fp32 bits (the max

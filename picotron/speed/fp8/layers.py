@@ -187,6 +187,16 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
     return model
 
 
+def fp8_step_values(model) -> dict:
+    """What train.py's queue_step adds to the step's values under "tensorwise_delayed": the
+    roll, now, and the saturation it found ({"fp8_saturated_sites", "fp8_worst_ratio",
+    "fp8_worst_site": () device tensors, read with the loss one step behind; "fp8_sites": the
+    names the site index stands for}; delayed.py's `end_step`); {} without delayed FP8. Under
+    pipeline parallelism, this stage's layers only (the logging rank holds the last)."""
+    ledger = getattr(model, "fp8_ledger", None)
+    return {} if ledger is None else ledger.end_step()
+
+
 def _sites(ledger, name, x_site=None):
     """(x's, dy's) delayed-scaling sites of the projection (or fused block) `name`, or None
     when the recipe is not delayed. `x_site`: the site of an input it shares (READ_THE_INPUT),
