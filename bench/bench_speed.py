@@ -22,7 +22,8 @@ synthetic tokens (the same windows for every run), it times:
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
   linear cross-entropy);
 - floor: a step of the shape's matmuls and attention alone (bench/matmul_floor.py), the
-  tokens/s no work outside cuBLAS and cuDNN can beat.
+  tokens/s no work outside cuBLAS and cuDNN can beat; "floor fp8": the same with the
+  projections' GEMMs in FP8 as the default runs them, the floor of the FP8 path.
 Each row runs in its own process (nothing left over from the row before; liger's patch of
 the Llama module stays in its row). tokens/s is the median over the timed steps,
 MFU = tokens/s x (6N + 12*L*C*T) / 989.5e12 (picotron/utils.py), peak memory is torch's
@@ -198,8 +199,9 @@ def maker(label, shape, mbs, seq, ckpt=None):
         label, fp8 = label.split(" fp8 ")
     if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk1024": loss_chunk_tokens
         label, chunk = label.rpartition(" ")[0], int(label.rpartition(" chunk")[2])
-    if label == "floor":
-        return lambda: floor_runner(config_from_dict(base_config(shape, mbs, seq)).model, mbs, seq)
+    if label in ("floor", "floor fp8"):        # "floor fp8": the projections' GEMMs in FP8
+        return lambda: floor_runner(config_from_dict(base_config(shape, mbs, seq)).model, mbs, seq,
+                                    fp8=label == "floor fp8")
     if label.startswith("ours"):
         o = OURS[label]
         graphs = label.endswith("graphs") and (ckpt or o[4]) != "full"
@@ -228,7 +230,7 @@ def main():
     p.add_argument("--repeats", type=int, default=1, help="rounds of all rows, alternating; "
                    "the ratio is the median of the rounds' ratios (default: 1)")
     p.add_argument("--rows", default="", help="comma-separated labels to time (default: all: "
-                   f"{', '.join(OURS)}, hf, hf+liger, and floor when asked)")
+                   f"{', '.join(OURS)}, hf, hf+liger; floor and floor fp8 when asked)")
     p.add_argument("--largest_batch", default="", help="comma-separated labels: also search "
                    "their largest micro-batch, with and without checkpointing")
     p.add_argument("--deadline_s", type=float, default=1e9, help="start no row after N s")

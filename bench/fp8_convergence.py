@@ -1,14 +1,17 @@
 """Does FP8 train like bf16? The same run, same seed and data, in bf16 and in each FP8 recipe.
 
     python bench/fp8_convergence.py [--model_name SmolLM-135M] [--steps 300] [--out DIR]
+        [--data FILE --val_every N] [--recipes none,auto]
 
 Trains `--model_name` (default SmolLM-135M) on the embedded corpus (the text of Python's
-standard library, byte-level: no download), seq 2048, micro-batch 16, bf16 with fp32 master
-weights, the GPU defaults (model.kernels triton, selective recomputation), once with
-training.fp8=none and once per recipe, each through torchrun train.py on one GPU. The judge is
-the loss on `--val_samples` held-out windows (the end of the corpus, never trained on) after
-the last step: the same tokens for every run, so the batch-to-batch noise of the training loss
-(+-0.1 at step 300) is out of it. Prints each run's final val loss, its gap to bf16's (the bar:
+standard library, byte-level: no download; up to 8 MiB) or, with `--data`, on a local file's
+bytes (`dataset.byte_range`: all but its last `--val_samples` windows train, those validate),
+seq 2048, micro-batch 16, bf16 with fp32 master weights, the GPU defaults (model.kernels
+triton, selective recomputation), once with training.fp8=none and once per recipe ("auto": a
+run with no flag), each through torchrun train.py on one GPU. The judge is the loss on
+`--val_samples` held-out windows (never trained on) after the last step, and every
+`--val_every` steps before it: the same tokens for every run, so the batch-to-batch noise of
+the training loss (+-0.1 at step 300) is out of it. Prints each run's final val loss, its gap to bf16's (the bar:
 within 1%), the mean of its last 10 training losses and its median tokens/s, and draws the curves
 side by side with plot.py into DIR/fp8_convergence.png (needs matplotlib). Every run stays
 under DIR/runs.
@@ -47,13 +50,14 @@ def train(args, recipe: str, name: str):
     shutil.rmtree(os.path.join(args.out, "runs", f"fp8-{name}"), ignore_errors=True)
     path = create_config.main([
         "--out_dir", os.path.join(args.out, "runs"), "--exp_name", f"fp8-{name}",
-        "--model_name", args.model_name, "--dataset_name", "embedded", "--mbs", str(args.mbs),
+        "--model_name", args.model_name, "--mbs", str(args.mbs),
         "--seq_len", str(args.seq), "--total_train_steps", str(args.steps),
         "--learning_rate", str(args.learning_rate), "--set", "dataset.tokenizer=byte",
         "--set", "training.dtype=bfloat16", "--set", "training.master_weights=true",
         "--set", f"training.fp8={recipe}", "--set", "checkpoint.save_final=false",
-        "--set", f"dataset.val_samples={args.val_samples}",
-        "--set", f"training.val_frequency={args.steps}", *(["--use_cpu"] if args.cpu else [])])
+        "--set", f"dataset.val_samples={args.val_samples}", *data_flags(args),
+        "--set", f"training.val_frequency={args.val_every or args.steps}",
+        *(["--use_cpu"] if args.cpu else [])])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
            "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--config", path]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -61,8 +65,19 @@ def train(args, recipe: str, name: str):
         return f"FAILED rc={proc.returncode}: {proc.stderr.strip()[-600:]}"
     with open(os.path.join(os.path.dirname(path), "metrics.jsonl")) as f:
         records = list(map(json.loads, f))
-    val = [r["val_loss"] for r in records if "val_loss" in r]
-    return [r for r in records if "loss" in r], val[-1] if val else float("nan")
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    return [r for r in records if "loss" in r], val
+
+
+def data_flags(args) -> list:
+    """The embedded corpus, or `--data`'s bytes: the last val_samples windows held out."""
+    if not args.data:
+        return ["--dataset_name", "embedded"]
+    size, window = os.path.getsize(args.data), args.seq + 1
+    held_out = args.val_samples * window
+    return ["--dataset_name", os.path.abspath(args.data),
+            "--set", f"dataset.byte_range=[0,{size - held_out}]",
+            "--set", f"dataset.val_byte_range=[{size - held_out},{size}]"]
 
 
 def main():
@@ -82,8 +97,12 @@ def main():
                    "none,none,none,tensorwise for bf16's own spread (default: %(default)s)")
     p.add_argument("--cpu", action="store_true", help="a dry run on CPU (bf16 only: FP8 needs "
                    "a GPU), to check the bench itself")
+    p.add_argument("--data", help="a local file whose bytes train and validate, instead of the "
+                   "embedded corpus")
+    p.add_argument("--val_every", type=int, default=0, help="held-out loss every N steps too "
+                   "(default: after the last step only)")
     args = p.parse_args()
-    runs, finals, bf16 = {}, {}, []
+    runs, finals, curves, bf16 = {}, {}, {}, []
     recipes = args.recipes.split(",")
     for k, recipe in enumerate(recipes):
         # a recipe named twice runs twice: bf16 repeated measures the bench's own noise (our
@@ -94,8 +113,8 @@ def main():
         if isinstance(result, str):
             print(f"fp8={name:12s} {result}", flush=True)
             continue
-        steps, finals[name] = result
-        runs[name] = steps
+        steps, vals = result
+        finals[name], runs[name], curves[name] = vals.get(args.steps, float("nan")), steps, vals
         if recipe == "none":
             bf16.append(finals[name])
         gap = (f" ({finals[name] / statistics.mean(bf16) - 1:+.2%} from bf16's mean)"
@@ -104,6 +123,13 @@ def main():
         tps = statistics.median(r["tokens_per_s"] for r in steps[5:] or steps)
         print(f"fp8={name:12s} {len(steps)} steps, val loss {finals[name]:.4f}{gap}, last 10 "
               f"train losses {train_loss:.4f}, {tps:,.0f} tok/s", flush=True)
+    if bf16 and len(curves) > 1:     # each held-out point: every run's loss, / bf16's first
+        points = sorted(set.intersection(*(set(v) for v in curves.values())))
+        base = next(n for n in runs if n.split("-")[0] == "none")
+        for step in points:
+            print(f"held-out at step {step}: " + ", ".join(
+                f"{n} {v[step]:.4f} ({v[step] / curves[base][step]:.4f}x)"
+                for n, v in curves.items()), flush=True)
     if len(bf16) > 1:
         print(f"bf16 alone: {len(bf16)} runs, val losses {min(bf16):.4f}..{max(bf16):.4f}, "
               f"spread {(max(bf16) - min(bf16)) / statistics.mean(bf16):.2%} of their mean",

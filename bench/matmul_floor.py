@@ -21,7 +21,15 @@ One set of weights and activations serves every layer (each operand is larger th
 50 MB L2, so each GEMM streams from memory as in the model). No optimizer, no norms, no
 elementwise work: those are what the floor leaves out.
 
+`fp8=True` (bench_speed's "floor fp8" row) is the floor of the default FP8 path
+(speed/fp8/linear.py): the projections' three GEMMs each run as `torch._scaled_mm` on operands
+already cast (x, h and the weights in e4m3, the output gradients in e5m2, each in the layout
+its GEMM reads, tensorwise scales; the forward with fast accumulation), the head and attention
+in bf16 as the default runs them. The casts and amaxes are left out, as the other elementwise
+work is.
+
     python bench/matmul_floor.py [--shape SmolLM-1.7B] [--mbs 16] [--seq 2048] [--steps 5]
+        [--fp8]
 
 times the floor alone (bench_speed.py's "floor" row times it beside the other rows).
 """
@@ -34,12 +42,26 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from picotron.speed.fp8.linear import scaled_mm  # noqa: E402
 from picotron.speed.kernels.triton_loss import _accumulate as accumulate  # noqa: E402
 
 
-def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
+def fp8_projection(weight, x, dy):
+    """(forward, dgrad, wgrad): the three GEMMs of y = x W^T in FP8, as functions of nothing,
+    on operands cast once here: W (O, I), x (N, I), dy (N, O), all bf16."""
+    one = torch.ones((), device=weight.device)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    w8, w8_t = weight.to(e4m3), weight.t().contiguous().to(e4m3)          # (O, I), (I, O)
+    x8, x8_t = x.to(e4m3), x.t().contiguous().to(e4m3)                    # (N, I), (I, N)
+    dy8, dy8_t = dy.to(e5m2), dy.t().contiguous().to(e5m2)                # (N, O), (O, N)
+    return (lambda: scaled_mm(x8, one, w8, one, torch.bfloat16, fast_accum=True),   # (N, O)
+            lambda: scaled_mm(dy8, one, w8_t, one, torch.bfloat16),                 # (N, I)
+            lambda: scaled_mm(dy8_t, one, x8_t, one, torch.bfloat16))               # (O, I)
+
+
+def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096, fp8=False):
     """(step function, None), as bench_speed's runners: step(i) queues one floor step and
-    returns a float once the device is done."""
+    returns a float once the device is done. `fp8`: the projections' GEMMs in FP8."""
     C, L = model_cfg.hidden_size, model_cfg.num_hidden_layers
     H, K = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
     D, Fw, V, N = C // H, model_cfg.intermediate_size, model_cfg.vocab_size, mbs * seq
@@ -54,9 +76,13 @@ def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
     # RoPE's backward: the packed d qkv), given once: the floor times no elementwise kernel
     dgu, dqkv = rand(N, 2 * Fw), rand(N, C + 2 * K * D)
     grad_embedding = torch.zeros(V, C, device=device, dtype=torch.float32)
+    dy_c = rand(N, C)              # an output gradient of width C (o and down projections)
+    if fp8:                        # each projection: (forward, dgrad, wgrad)
+        qkv8, o8 = fp8_projection(w_qkv, x, dqkv), fp8_projection(w_o, x, dy_c)
+        gu8, down8 = fp8_projection(w_gu, x, dgu), fp8_projection(w_down, h, dy_c)
 
     def attention_forward():
-        qkv = x @ w_qkv.t()                                          # (N, C + 2KD)
+        qkv = qkv8[0]() if fp8 else x @ w_qkv.t()                    # (N, C + 2KD)
         q, k, v = (t.view(mbs, seq, -1, D).transpose(1, 2).detach().requires_grad_()
                    for t in qkv.split([C, K * D, K * D], dim=1))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)
@@ -68,6 +94,9 @@ def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
             qkv, out = attention_forward()
             attended = out.detach().transpose(1, 2).reshape(N, C)
             saved.append((qkv, out))
+            if fp8:
+                o8[0](), gu8[0](), down8[0]()
+                continue
             attended @ w_o.t()
             x @ w_gu.t()
             h @ w_down.t()
@@ -79,6 +108,12 @@ def floor_runner(model_cfg, mbs, seq, device="cuda", chunk=4096):
             accumulate(grad_embedding, logits.t(), xs)               # fp32 (V, C) += bf16 GEMM
         dy = dx
         for qkv, out in reversed(saved):                             # backward
+            if fp8:            # d input and d W of each projection; SDPA's backward in bf16
+                down8[1](), down8[2](), gu8[1](), gu8[2](), o8[1](), o8[2]()
+                torch.autograd.grad(out, qkv, dy.view(mbs, seq, H, D).transpose(1, 2))
+                dy = qkv8[1]()
+                qkv8[2]()
+                continue
             dy @ w_down                                              # d h (N, F)
             dy.t() @ h                                               # d W_down (C, F)
             dgu @ w_gu                                               # d x (N, C)
@@ -102,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     p.add_argument("--steps", type=int, default=5,
                    help="steps timed after one warm-up step (default: 5)")
+    p.add_argument("--fp8", action="store_true", help="the projections' GEMMs in FP8, as the "
+                   "default FP8 path runs them")
     return p
 
 
@@ -111,13 +148,15 @@ def main():
         sys.exit("error: the floor times cuBLAS and cuDNN kernels: run it on a CUDA GPU")
     from picotron.config import ModelConfig
     from picotron.config.presets import resolve_model
-    step, _ = floor_runner(ModelConfig(**resolve_model(args.shape)), args.mbs, args.seq)
+    step, _ = floor_runner(ModelConfig(**resolve_model(args.shape)), args.mbs, args.seq,
+                           fp8=args.fp8)
     step(0)                                   # warm-up: cuBLAS heuristics, Triton compile
     start = time.perf_counter()
     for i in range(args.steps):
         step(i + 1)                           # returns once the device is done
     seconds = (time.perf_counter() - start) / args.steps
-    print(f"floor {args.shape} mbs {args.mbs} seq {args.seq}: {seconds * 1e3:.1f} ms/step, "
+    name = "floor fp8" if args.fp8 else "floor"
+    print(f"{name} {args.shape} mbs {args.mbs} seq {args.seq}: {seconds * 1e3:.1f} ms/step, "
           f"{args.mbs * args.seq / seconds:,.0f} tokens/s")
 
 
