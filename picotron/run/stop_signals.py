@@ -10,8 +10,9 @@ which waits on that socket, acts on it:
 - the first SIGTERM or SIGINT asks every rank to stop after the same step (the watchdog
   publishes that step in the launcher's store), save and exit 143 (SIGTERM) or 130 (SIGINT);
 - a second Ctrl-C stops this process at once. A terminal's Ctrl-C reaches torchrun, which
-  passes it on to its workers (since torch 2.13 they run in sessions of their own, which a
-  terminal does not signal; before, each worker heard one press twice within milliseconds).
+  passes it on to its workers (torch 2.13's torchrun starts them in sessions of their own,
+  which a terminal does not signal; a launcher that does not would let each worker hear one
+  press twice within milliseconds, which the 2 s below also absorbs).
   At a second Ctrl-C torchrun sends SIGTERM. So any SIGINT or SIGTERM that comes
   `AT_ONCE_AFTER_S` or more after a first SIGINT means "now", and so does the launcher's
   exit after a SIGINT (picotron/run/watchdog.py).
