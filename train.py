@@ -279,7 +279,7 @@ def main(argv=None):
         print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path),
               flush=True)
     if stop:              # one line, status 143 (SIGTERM) or 130 (Ctrl-C); diverged: an error
-        end_stopped_run(watchdog.stop, watchdog.step, saved, config, is_logger)
+        end_stopped_run(watchdog.stop, watchdog.step, saved, is_logger)
     if owns_group:
         dist.destroy_process_group()
 

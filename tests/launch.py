@@ -14,6 +14,7 @@ sys.path.insert(0, ROOT)
 
 import create_config  # noqa: E402
 from picotron.checkpoint.checkpoint import load_full_weights  # noqa: E402
+from picotron.utils import process_gone  # noqa: E402
 
 
 def write_config(tmp_path, name: str, args: list) -> str:
@@ -29,11 +30,7 @@ def free_port() -> int:
 
 def process_alive(pid: int) -> bool:
     """Whether process `pid` runs (exists and is no zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return not process_gone(pid)
 
 
 def launch(config_path: str, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -61,7 +61,7 @@ class DivergenceCheck:
 
     def last_good_checkpoint(self, first: int):
         """The newest complete checkpoint of a step before `first`, or None."""
-        if self.save_dir is None or not os.path.isdir(self.save_dir):
+        if self.save_dir is None:
             return None
         before = [d for d in complete_checkpoints(self.save_dir)
                   if int(os.path.basename(d).split("_")[1]) < first]

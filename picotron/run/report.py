@@ -179,7 +179,7 @@ class StartupPhases:
             self.mark = None
 
 
-def end_stopped_run(stop, step: int, saved, config, is_logger: bool) -> None:
+def end_stopped_run(stop, step: int, saved, is_logger: bool) -> None:
     """The end of a run every rank stopped after step `step` (picotron/run/watchdog.py):
     `stop` is (reason, message); `saved` the last checkpoint this launch saved, or None. A
     signal: one line and the status of a process that signal killed (SIGTERM 143, Ctrl-C

@@ -148,18 +148,18 @@ class Watchdog:
                 self._on_signal(signum)
             if self.closed.is_set():
                 break
-            if self.launched and os.getppid() != self.parent and self.first_sigint:
-                self._stop_at_once()           # a second Ctrl-C that ended the launcher
             if self.launched and os.getppid() != self.parent:
+                if self.first_sigint:
+                    self._stop_at_once()       # a second Ctrl-C that ended the launcher
                 self._fail(f"the launcher (pid {self.parent}) is gone; this worker stops "
                            f"instead of training unsupervised", tell_peers=False)
             if self.store is not None:
                 self._check_local_peers()
-                if self.step != self.beaten_step:      # each new step, at most once a tick
+                due = last_check is None or time.monotonic() - last_check >= every
+                if due or self.step != self.beaten_step:   # a new step: at most once a tick
                     self._beat()
-                if last_check is None or time.monotonic() - last_check >= every:
+                if due:
                     last_check = time.monotonic()
-                    self._beat()
                     self._check_beats(beats)
             select.select([self.signals], [], [], TICK_S)
 

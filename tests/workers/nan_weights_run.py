@@ -15,6 +15,7 @@ import time
 import torch
 
 from picotron.data_parallel.optimizer import DistributedAdamW
+from picotron.run import watchdog
 
 config, bad_step, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 step, calls = DistributedAdamW.step, []
@@ -28,7 +29,9 @@ def poisoned(self, lr):
             next(p for b in self.grads.buckets for p in b.members).fill_(float("nan"))
         if mode == "sigterm":        # heard by the watchdog's thread within the step
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.5)
+            end = time.time() + 30
+            while watchdog._running.stop is None and time.time() < end:
+                time.sleep(0.01)
     return out
 
 
