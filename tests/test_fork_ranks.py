@@ -12,9 +12,12 @@ from launch import ROOT, launch_script, process_alive
 RANKS = """
 import json, os, sys, time
 rank = int(os.environ["RANK"])
-print(json.dumps({k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+line = json.dumps({k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                   "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} | {"argv": sys.argv[1:],
-                  "pid": os.getpid(), "cwd": os.getcwd()}), flush=True)
+                  "pid": os.getpid(), "cwd": os.getcwd()})
+# The ranks share one output file: one write() per line, so that lines never interleave
+# (print makes two, the text and its newline, when Python's output is unbuffered).
+os.write(1, (line + "\\n").encode())
 open(os.path.join(os.path.dirname(__file__), f"started.{rank}"), "w").close()
 if rank == int(sys.argv[1]):           # once every rank has started
     while len([f for f in os.listdir(os.path.dirname(__file__)) if f.startswith("started")]) \
