@@ -39,15 +39,39 @@ def flash_attention(q, k, v):
     return out.transpose(1, 2)
 
 
+def resolved_name(name: str, device_type: str) -> str:
+    """`model.attn_implementation` with "auto" decided: flash-attn when it is installed and
+    the model runs on CUDA, else SDPA."""
+    if name != "auto":
+        return name
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
+
+
 def resolve_attention(name: str, device_type: str):
     """The attention function for `model.attn_implementation` on this device. Asked for by
     name, flash-attn must be importable now, not at the first forward."""
-    has_flash = importlib.util.find_spec("flash_attn") is not None
-    if name == "auto":
-        name = "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
-    elif name == "flash_attention_2" and not has_flash:
+    name = resolved_name(name, device_type)
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise MissingPackage("model.attn_implementation='flash_attention_2'", "flash-attn "
                              "(`pip install flash-attn`)", "or use 'sdpa' ('auto' takes "
                              "flash-attn when it is installed)", "no module named flash_attn")
     return {"eager": eager_attention, "sdpa": sdpa_attention,
             "flash_attention_2": flash_attention}[name]
+
+
+# SDPA's kernels, by the names of torch.nn.attention.SDPBackend
+SDPA_KERNELS = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION":
+                "memory-efficient", "CUDNN_ATTENTION": "cuDNN", "OVERRIDEABLE": "a backend's own"}
+
+
+def sdpa_kernel(heads: int, kv_heads: int, seq: int, head_dim: int, dtype, device) -> str:
+    """Which of its kernels SDPA runs for one sequence of this shape. It picks by device,
+    dtype, head size, sequence length and layout, so it is asked with empty tensors laid out
+    as the model's projections leave q, k and v: (1, T, H, D) viewed as (1, H, T, D)."""
+    from torch.nn.attention import SDPBackend
+    q = torch.empty(1, seq, heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    k = torch.empty(1, seq, kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=heads != kv_heads)
+    names = {backend.value: name for name, backend in SDPBackend.__members__.items()}
+    return SDPA_KERNELS.get(names.get(choice), f"SDPBackend {choice}")

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from picotron.attention import resolved_name, sdpa_kernel
 from picotron.checkpoint.checkpoint import save_root
 from picotron.config.checks import config_warnings
 from picotron.config.overrides import repeated_keys
@@ -45,7 +46,8 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
               f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
               f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "
               f"{config.model.kernels}, loss {t.fused_loss}, recompute "
-              f"{t.activation_checkpointing}" + (f", fp8 {t.fp8}" if t.fp8 != "none" else ""),
+              f"{t.activation_checkpointing}" + (f", fp8 {t.fp8}" if t.fp8 != "none" else "")
+              + f"; attention: {describe_attention(config, device)}",
               f"global batch {config.global_batch_size} sequences = mbs {t.micro_batch_size} x "
               f"grad_acc {t.gradient_accumulation_steps} x dp {d.dp_size}; {tokens_per_step} "
               f"tokens/step; {t.total_train_steps} steps; dtype {t.dtype}; run dir {run_dir}"]
@@ -59,6 +61,28 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
         lines.append(describe_split(config))
     lines += [f"warning: {w}" for w in repeated_keys(overrides) + config_warnings(config)]
     return "\n".join(lines)
+
+
+def describe_attention(config, device) -> str:
+    """Which kernel runs a layer's attention on this rank. SDPA chooses at each call by device,
+    dtype and shape (attention.py's sdpa_kernel asks it with this rank's shape)."""
+    m, d = config.model, config.distributed
+    name = resolved_name(m.attn_implementation, device.type)
+    if d.cp_size > 1 and d.cp_mode != "ulysses":   # context_parallel/kernels.py's blocks
+        block = ("eager" if name == "eager" else
+                 "SDPA's memory-efficient" if device.type == "cuda" else "SDPA's CPU flash")
+        return f"ring attention over {d.cp_size} ranks, {block} kernel per block"
+    ulysses = d.cp_size if d.cp_size > 1 else 1     # Ulysses: a head share of whole sequences
+    heads = m.num_attention_heads // (d.tp_size * ulysses)
+    kv_heads = m.num_key_value_heads // (d.tp_size * ulysses)
+    if name == "sdpa":
+        kernel = sdpa_kernel(heads, kv_heads, config.training.seq_length,
+                             m.hidden_size // m.num_attention_heads,
+                             getattr(torch, config.training.dtype), device)
+        text = f"SDPA's {kernel} kernel"
+    else:
+        text = {"eager": "eager (the reference)", "flash_attention_2": "flash-attn 2"}[name]
+    return f"Ulysses over {d.cp_size} ranks around {text}" if ulysses > 1 else text
 
 
 def data_warning(config, data):
