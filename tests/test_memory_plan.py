@@ -199,6 +199,26 @@ def test_refusal_names_the_biggest_parts_and_what_would_fit():
     assert "on this host (2 ranks)" in memory_errors(cfg, None, 1.5 * need, ranks_per_host=2)
 
 
+def test_one_gpu_is_told_the_smallest_offload_that_fits():
+    """Where nothing fits on this many GPUs (the state dominates: one short sequence, full
+    recomputation), the refusal names the least AdamW state to step on the host, in tenths."""
+    gpu = {"model": MEASURED["model"], "dataset": {"name": "synthetic"},
+           "training": {"micro_batch_size": 1, "seq_length": 64, "dtype": "float32",
+                        "activation_checkpointing": "full"}}
+    offloaded = {f: estimate(config({"distributed.offload_optim_frac": f}, base=gpu))
+                 for f in (0.0, 0.4, 0.5)}
+    assert offloaded[0.5].device_bytes < offloaded[0.4].device_bytes < offloaded[0.0].device_bytes
+    free = (offloaded[0.4].device_bytes + offloaded[0.5].device_bytes) / 2
+    host = 2 * offloaded[0.5].host_bytes
+    message = memory_errors(config(base=gpu), device_memory=free, host_memory=host)
+    advice = message.split("would fit: ")[1].split(" (a larger")[0].split("; ")
+    assert advice[-1] == "distributed.offload_optim_frac=0.5", message
+    assert all("tp_size" in a or "pp_size" in a for a in advice[:-1]), message
+    # a host too small for half the state: no offload is named
+    message = memory_errors(config(base=gpu), free, offloaded[0.5].host_bytes * 0.9)
+    assert "offload_optim_frac" not in message, message
+
+
 def test_train_refuses_absurd_sizes_quickly_without_allocating(tmp_path):
     """Sizes the config's ranges accept but no machine holds: train.py stops with one line
     before building anything. The three run in one child, one after the other (torch's import

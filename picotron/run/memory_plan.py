@@ -115,6 +115,23 @@ def _smaller_micro_batch(config, fits):
     return None
 
 
+def _offloaded(config, fits):
+    """The smallest share of the AdamW state stepped on the host (distributed.offload_optim_frac,
+    in tenths), with full recomputation when that alone is not enough, that fits on the same
+    devices, as changes, or None. The host is slower at AdamW than the GPU, so this is named
+    only where nothing that keeps the step on the devices fits without more of them."""
+    t = config.training
+    for base in ({}, {"training.activation_checkpointing": "full"}):
+        if base and t.activation_checkpointing == "full":
+            break
+        for tenths in range(1, 11):
+            frac = tenths / 10
+            changes = {**base, "distributed.offload_optim_frac": frac}
+            if frac > config.distributed.offload_optim_frac and fits(_changed(config, changes)):
+                return changes
+    return None
+
+
 def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -> str:
     """"" when the estimate fits in `device_memory` and `host_memory` (bytes), else the
     refusal: the estimate, its biggest rows, and which of a few changes the estimate says
@@ -147,8 +164,13 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
         if smaller and (not base or not fitting):
             fitting.append({**base, **smaller})
             break
+    more_devices = ("distributed.tp_size", "distributed.pp_size")
+    if device_memory is not None and all(any(k in c for k in more_devices) for c in fitting):
+        offload = _offloaded(config, fits)      # the one fix left on this many GPUs
+        fitting += [offload] if offload else []
     advice = ("; ".join(", ".join(f"{k}={v}" for k, v in c.items()) for c in fitting)
-              or "none of: twice the tp or pp, ZeRO, full recomputation, a smaller micro-batch")
+              or "none of: twice the tp or pp, ZeRO, full recomputation, a smaller "
+                 "micro-batch, the AdamW state offloaded to the host")
     if any("distributed.tp_size" in c or "distributed.pp_size" in c for c in fitting):
         advice += " (a larger tp or pp takes as many times the devices)"
     return (f"this config needs an estimated {need / GiB:.1f} GiB {where} but "
