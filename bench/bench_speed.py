@@ -13,10 +13,11 @@ synthetic tokens (the same windows for every run), it times:
   AdamW; "our-loss": training.fused_loss=triton, ours, which never waits for the GPU;
   "graphs": training.cuda_graphs on top; "selective": training.activation_checkpointing=selective,
   which with our kernels recomputes the SwiGLU output; a label ending in " chunk1024" sets
-  training.loss_chunk_tokens, one in " cat" concatenates the fused projections' weights each
-  step instead of using them in place; "<row> fp8 tensorwise" runs that row with FP8 GEMMs,
-  training.fp8). As in train.py, a step's loss is read once the next
-  step is queued (picotron.utils.StepValues); the "item" row reads it at once, as HF does;
+  training.loss_chunk_tokens, one in " full-ckpt" (any row: "hf+liger full-ckpt", "ours auto
+  full-ckpt") recomputes every layer in backward, one in " cat" concatenates the fused
+  projections' weights each step instead of using them in place; "<row> fp8 tensorwise"
+  runs that row with FP8 GEMMs, training.fp8). As in train.py, a step's loss is read once
+  the next step is queued (picotron.utils.StepValues); the "item" row reads it at once, as HF does;
 - hf: transformers' LlamaForCausalLM (SDPA), a plain loop: loss, backward, clip, AdamW
   (fused, bf16 moments on bf16 parameters);
 - hf+liger: the same after `apply_liger_kernel_to_llama()` (RMSNorm, RoPE, SwiGLU, fused
@@ -195,6 +196,8 @@ def maker(label, shape, mbs, seq, ckpt=None):
         fused_linear.stacked = lambda weights: torch.cat(weights, dim=0)
         label = label[:-len(" cat")]
     chunk, fp8 = 0, "none"
+    if label.endswith(" full-ckpt") and label not in OURS:    # "hf+liger full-ckpt", ...
+        label, ckpt = label[:-len(" full-ckpt")], "full"
     if " fp8 " in label:                  # "<row> fp8 tensorwise": that row with FP8 GEMMs
         label, fp8 = label.split(" fp8 ")
     if label.rpartition(" ")[2].startswith("chunk"):     # "<row> chunk1024": loss_chunk_tokens
