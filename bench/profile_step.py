@@ -32,7 +32,14 @@ CATEGORIES = [          # first match wins; kernel names as the profiler reports
     ("attention", r"cudnn|flash|fmha|sdpa|attention"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|Kernel2"),
     ("optimizer", r"multi_tensor|adam|foreach|Adam"),
-    ("triton", r"_kernel$|triton|liger|_rms_norm|_swiglu|_rope|cross_entropy"),
+    # Triton kernels, ours (picotron/speed) and liger's, by what they compute
+    ("swiglu", r"swiglu|_h_tile|^_tile$|_store_both"),
+    ("norms", r"_norm_fwd|_norm_bwd|rms_norm|layer_norm"),
+    ("rope", r"_rope|rotary"),
+    ("fp8 casts, amaxes", r"_cast|_amax|_fp8_|_scales|_rowwise"),
+    ("loss", r"cross_entropy|^_scale$"),
+    ("triton", r"_kernel$|triton|liger"),
+    ("adds", r"CUDAFunctor_add|AddFunctor"),     # residual adds, gradients summed
     ("copy/cat", r"copy|cat|Memcpy|Memset|memset|fill"),
     ("reduction", r"reduce|norm"),
     ("elementwise", r"elementwise|vectorized|unrolled"),
