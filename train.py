@@ -170,7 +170,7 @@ def queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm, dev
         batches.prefetch(step + 1)           # while the device still runs this step
     return StepValues({"step": step + 1, "lr": lr, "loss": loss, "grad_norm": grad_norm,
                        "skipped": skipped, "loss_scale": optimizer.scaler.scale,
-                       **fp8_step_values(model)}, device)     # delayed FP8's saturation
+                       **fp8_step_values(model, pgm.pp_group)}, device)   # FP8 saturation
 
 
 def parse_args(argv=None):

@@ -62,7 +62,7 @@ def train_run(recipe, steps, flags, out_dir, site=None, at=(), hold=None, ratios
     model, loss_fn, grads, optimizer = train.build_training(config, pgm, device)
     batches = StepBatches(build_train_val(config, out_dir)[0], config, pgm, device)
     now = {"step": -1}
-    if site is not None:
+    if site is not None and site in dict(model.named_modules()):   # on this pipeline stage
         model.get_submodule(site).register_forward_pre_hook(
             lambda module, args: (args[0] * FAULT, *args[1:]) if now["step"] in at else None)
     ledger = getattr(model, "fp8_ledger", None)

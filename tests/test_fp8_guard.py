@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, write_config
+from launch import ROOT, launch_script, write_config
 from picotron.run.metrics_log import MetricsLog
 from picotron.run.report import describe_run, summary
 from picotron.run.step_log import StepLog
@@ -147,3 +147,32 @@ def test_a_planted_fault_is_counted_and_the_guarded_run_follows_bf16(tmp_path, s
         departure = max(abs(r["loss"] / want["loss"] - 1)
                         for r, want in zip(unguarded[AT + 1:], bf16[AT + 1:]))
         assert departure > 0.01
+
+
+PIPELINE = f"""
+import json, os, sys
+sys.path.insert(0, os.path.join({ROOT!r}, "bench"))
+from fp8_saturation import TINY, train_run
+out_dir = os.path.join(sys.argv[1], os.environ["RANK"])
+os.makedirs(out_dir)
+records = train_run("tensorwise_delayed", {{steps}}, TINY + ["--pp", "2"], out_dir, {SITE!r},
+                    ({{at}},))
+if os.environ["RANK"] == "1":            # the last stage, which logs
+    os.write(1, (json.dumps(records) + "\\n").encode())
+"""
+
+
+def test_every_pipeline_stage_s_saturation_reaches_the_logging_rank(tmp_path):
+    """Two pipeline stages, the fault planted in the first stage's layer 0: the last stage,
+    which logs, counts and names it, and both stages hold their scales after it, as one
+    process does: every step's loss and saturation record bit for bit (fp32 on CPU; each
+    stage holding only on its own saturation left the loss 1.7e-5 off the step after)."""
+    at, steps = 5, 8
+    script = tmp_path / "pipeline.py"
+    script.write_text(PIPELINE.format(steps=steps, at=at))
+    out = launch_script(str(script), 2, [str(tmp_path)], timeout=300).stdout
+    pipeline = json.loads(out.strip().splitlines()[-1])
+    (tmp_path / "one").mkdir()
+    one = train_run("tensorwise_delayed", steps, TINY, str(tmp_path / "one"), SITE, (at,))
+    assert pipeline[at]["fp8_worst_site"] == f"{SITE}.x" and pipeline[at]["fp8_saturated_sites"]
+    assert pipeline == one

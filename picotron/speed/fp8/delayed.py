@@ -130,6 +130,7 @@ class AmaxLedger:
         self.scale_amax = self.seen = self.guard = None
         self.calibrating = True
         self.watched, self.version = None, None
+        self.stage_names = None      # pipeline parallelism: every stage's names, gathered once
 
     def sequence_split(self) -> bool:
         """Whether other ranks hold chunks of this rank's sequences (context parallelism)."""
@@ -170,25 +171,50 @@ class AmaxLedger:
             self.roll()
         self.version = version
 
-    def end_step(self) -> dict:
+    def end_step(self, pp_group=None) -> dict:
         """The roll, at the end of an optimizer step, skipped or not (the next forward then
         finds it done), and what it found: {"fp8_saturated_sites", "fp8_worst_ratio",
-        "fp8_worst_site": () device tensors (saturation.py), "fp8_sites": the site names}."""
+        "fp8_worst_site": () device tensors (saturation.py), "fp8_sites": the site names}.
+        Under pipeline parallelism (`pp_group`, collective), every stage's sites."""
         if self.seen is None:
             return {}
-        self.roll()
+        self.roll(pp_group)
         self.version = self.watched.weight._version if self.watched is not None else None
         count, worst, where = self.guard.last
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            return self._every_stage(count, worst, where, pp_group)
         return {"fp8_saturated_sites": count, "fp8_worst_ratio": worst,
                 "fp8_worst_site": where, "fp8_sites": tuple(self.names)}
 
-    def roll(self):
+    def _every_stage(self, count, worst, where, pp_group) -> dict:
+        """This roll's saturation over every stage of the pipeline, the same on each: the
+        counts summed, and the site furthest past its factor of all, an index into every
+        stage's names in stage order. One all-gather of four scalars a step, on the device;
+        the names are gathered once (host objects)."""
+        if self.stage_names is None:
+            names = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(names, tuple(self.names), group=pp_group)
+            offsets = [sum(len(n) for n in names[:k]) for k in range(len(names))]
+            self.stage_names = (sum(names, ()), torch.tensor(
+                offsets, dtype=torch.float32, device=self.scale_amax.device))
+        past = worst / self.guard.factor.take(where)     # how far past its site's factor
+        mine = torch.stack([count.float(), worst, where.float(), past])          # (4,)
+        stages = [torch.empty_like(mine) for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather(stages, mine, group=pp_group)
+        count, worst, where, past = torch.stack(stages).unbind(1)    # (stages,) each
+        names, offsets = self.stage_names
+        stage = past.argmax()                    # a NaN first; take: no read on the host
+        return {"fp8_saturated_sites": count.sum(), "fp8_worst_ratio": worst.take(stage),
+                "fp8_worst_site": where.take(stage) + offsets.take(stage), "fp8_sites": names}
+
+    def roll(self, pp_group=None):
         """A_s = the global max of what site s saw this step (while the guard holds the
-        scales, the largest since: saturation.py); seen = 0; calibration over."""
+        scales, the largest since: saturation.py, which holds every stage's with `pp_group`);
+        seen = 0; calibration over."""
         if self.seen is None:
             return                                          # nothing was cast yet
         self.scale_amax.copy_(self.guard.roll(self._global_seen(), self.scale_amax,
-                                              self.calibrating))
+                                              self.calibrating, pp_group))
         self.seen.zero_()
         self.calibrating = False
 

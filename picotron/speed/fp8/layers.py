@@ -187,14 +187,15 @@ def apply_fp8(model, config, tp_group=None, dp_group=None, cp_group=None):
     return model
 
 
-def fp8_step_values(model) -> dict:
+def fp8_step_values(model, pp_group=None) -> dict:
     """What train.py's queue_step adds to the step's values under "tensorwise_delayed": the
     roll, now, and the saturation it found ({"fp8_saturated_sites", "fp8_worst_ratio",
     "fp8_worst_site": () device tensors, read with the loss one step behind; "fp8_sites": the
     names the site index stands for}; delayed.py's `end_step`); {} without delayed FP8. Under
-    pipeline parallelism, this stage's layers only (the logging rank holds the last)."""
+    pipeline parallelism (`pp_group`: every stage calls it at the end of its step), every
+    stage's layers, so the logging rank (the last stage) can say which saturated."""
     ledger = getattr(model, "fp8_ledger", None)
-    return {} if ledger is None else ledger.end_step()
+    return {} if ledger is None else ledger.end_step(pp_group)
 
 
 def _sites(ledger, name, x_site=None):

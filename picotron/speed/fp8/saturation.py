@@ -38,6 +38,7 @@ from. The guard changes only the amaxes the next casts read, which every path (o
 the compiled layers, CUDA graphs) reads from the same buffer.
 """
 import torch
+import torch.distributed as dist
 
 # r_s above which a site counts as saturated (and the guard holds every scale), by operand:
 # a projection's input x (e4m3), or its output gradient dy (e5m2)
@@ -58,23 +59,27 @@ class SaturationGuard:
         self.quiet = torch.full_like(zero, float("inf"))        # none saturated yet
         self.last, self.ratio = (zero, zero, zero), torch.zeros_like(self.factor)
 
-    def next_amax(self, seen, scale_amax, calibrating: bool):
+    def next_amax(self, seen, scale_amax, calibrating: bool, stages=None):
         """(A_s for the next step (S,), `quiet` after this step, r_s (S,), saturated (S,)
         bool) from what the step saw (S,) and the amaxes it cast with, leaving the guard as it
         is. A site that saw nothing (only zeros, or no cast) keeps its amax, and a roll in
         which no site saw anything changes nothing; a NaN amax stays a NaN (a run that went
         NaN shows it) and counts as saturated. The calibrating step cast every tensor by its
-        own amax: nothing saturated there."""
+        own amax: nothing saturated there. `stages`: the pipeline group, whose other stages
+        hold the model's other sites: the hold is the whole model's, as on one process."""
         saw = seen != 0
         ratio = torch.zeros_like(seen) if calibrating else torch.where(saw, seen / scale_amax, 0)
         saturated = ~(ratio <= self.factor)
-        quiet = torch.where(saturated.any(), 0, self.quiet + saw.any().float())
+        anywhere = torch.stack([saturated.any(), saw.any()]).float()    # (any saturated, any saw)
+        if stages is not None and dist.get_world_size(stages) > 1:
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=stages)
+        quiet = torch.where(anywhere[0] > 0, 0, self.quiet + anywhere[1])
         held = torch.where(quiet < HOLD_STEPS, torch.maximum(seen, scale_amax), seen)
         return torch.where(saw, held, scale_amax), quiet, ratio, saturated
 
-    def roll(self, seen, scale_amax, calibrating: bool):
+    def roll(self, seen, scale_amax, calibrating: bool, stages=None):
         """`next_amax`, kept: the guard moves on a step and `last` describes this one."""
-        amax, quiet, ratio, saturated = self.next_amax(seen, scale_amax, calibrating)
+        amax, quiet, ratio, saturated = self.next_amax(seen, scale_amax, calibrating, stages)
         self.quiet.copy_(quiet)
         where = (ratio / self.factor).argmax()    # the furthest past its factor; a NaN first
         # take, not ratio[where]: indexing by a tensor could read it on the host
