@@ -2,6 +2,7 @@
 tensorwise's, later steps cast with the previous step's amaxes, and data parallelism rolls
 them to the scales one process computes with gradient accumulation. Its GPU kernels (the
 cast that records the amax) and CUDA graphs: tests/test_fp8_gpu.py, test_cuda_graphs_gpu.py."""
+import json
 import os
 
 import pytest
@@ -77,19 +78,23 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path, capsys):
     """One process, train.py's build and step: steps 3 and 4 resumed from the checkpoint
     saved after step 2 (in state.json, the amaxes its next roll would set) give the
     losses, amaxes and weights of the run that went on, bit for bit; a checkpoint saved
-    after the calibrating step 1 too. A run that resumes under another site list
-    calibrates afresh, and says so."""
+    after the calibrating step 1 too. Step 2 saturates (a projection's input times 1000), so
+    the resume also carries on the guard's hold (saturation.py). A run that resumes under
+    another site list calibrates afresh, and says so."""
     import train
     from checkpoint_helpers import step_state
     from picotron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
     from picotron.data.windows import StepBatches, build_train_val
     path = write_config(tmp_path, "resume", ["--grad_acc_steps", "2"] + TINY)
     root = str(tmp_path / "ckpt")
+    now = {"step": -1}
 
     def build():
         config, pgm, device = train.setup(path)
         config.training.fp8 = "tensorwise_delayed"
         built = train.build_training(config, pgm, device)
+        built[0].get_submodule("layers.0.self_attn.o_proj").register_forward_pre_hook(
+            lambda module, args: (args[0] * 1000, *args[1:]) if now["step"] == 1 else None)
         batches = StepBatches(build_train_val(config, str(tmp_path))[0], config, pgm, device)
         return config, pgm, device, built, batches
 
@@ -97,8 +102,11 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path, capsys):
         config, pgm, device, (model, loss_fn, grads, optimizer), batches = run
         out = []
         for step in range(first, last):
-            loss = train.queue_step(model, loss_fn, grads, optimizer, batches, step, config,
-                                    pgm, device).read()["loss"]
+            now["step"] = step
+            values = train.queue_step(model, loss_fn, grads, optimizer, batches, step, config,
+                                      pgm, device).read()
+            loss = values["loss"]
+            assert bool(values["fp8_saturated_sites"]) == (step == 1), step
             if step + 1 in save_after:
                 save_checkpoint(model, optimizer, pgm, config, root, step + 1,
                                 step_state(config, step + 1))
@@ -106,6 +114,8 @@ def test_a_resumed_run_rolls_like_the_run_that_went_on(tmp_path, capsys):
         return out, {n: p.detach().clone() for n, p in model.named_parameters()}
 
     went_on, weights = steps(build(), 0, STEPS, save_after=(1, 2))
+    with open(os.path.join(root, "step_000002", "state.json")) as f:
+        assert json.load(f)["fp8_amaxes"]["rolls_since_saturation"] == 0    # the hold is on
     for saved in (1, 2):
         run = build()
         load_checkpoint(os.path.join(root, f"step_{saved:06d}"), run[3][0], run[3][3], run[1],

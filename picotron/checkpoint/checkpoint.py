@@ -153,7 +153,8 @@ def _load(directory: str, state: dict, model, optimizer, pgm):
         saved = state.get("fp8_amaxes")
         if ledger is not None and saved:
             taken = ledger.load_amaxes(saved["amaxes"], next(model.parameters()).device,
-                                       dy_ratio=pgm.dp_size * pgm.cp_size / saved["dy_scale"])
+                                       dy_ratio=pgm.dp_size * pgm.cp_size / saved["dy_scale"],
+                                       rolls=saved.get("rolls_since_saturation"))
             if not taken and pgm.global_rank == 0:
                 print(f"warning: {directory} holds delayed FP8 amaxes for other projections "
                       f"than this model's (another model.kernels?); the first step "

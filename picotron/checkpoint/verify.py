@@ -184,6 +184,7 @@ def read_state(directory: str):
         amaxes = fields.get("fp8_amaxes.amaxes", dict)
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in amaxes.values()):
             fields.fail("fp8_amaxes.amaxes", "must map site names to numbers")
+        fields.get("fp8_amaxes.rolls_since_saturation", int, optional=True, minimum=0)
     history = fields.get("accepted_changes", list, optional=True) or []
     fields.get("config", dict)
     config = _saved_config(fields)

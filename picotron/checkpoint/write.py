@@ -114,16 +114,21 @@ def _rng_shard(pgm) -> dict:
 def _fp8_amaxes(model, config, pgm):
     """Collective. Under delayed FP8 scaling: every site's amax for the next step
     (speed/fp8/delayed.py: rolled over the ranks that share the site, gathered from the
-    pipeline stages) by name, and `dy_scale`, dp x cp, the factor between a rank's output
-    gradients and one process's (which a resume in another layout divides out); else None."""
+    pipeline stages) by name, `dy_scale`, dp x cp, the factor between a rank's output
+    gradients and one process's (which a resume in another layout divides out), and the
+    saturation guard's `rolls_since_saturation` (the same on every rank; None: no cast yet);
+    else None."""
     if config.training.fp8 != "tensorwise_delayed":
         return None
     ledger = getattr(model, "fp8_ledger", None)
-    mine = ledger.rolled_amaxes() if ledger is not None else {}
+    mine = ((ledger.rolled_amaxes(), ledger.rolls_since_saturation()) if ledger is not None
+            else ({}, None))
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
+    rolls = [r for _, r in parts if r is not None]
     return {"dy_scale": pgm.dp_size * pgm.cp_size,
-            "amaxes": {name: value for part in parts for name, value in part.items()}}
+            "amaxes": {name: value for part, _ in parts for name, value in part.items()},
+            "rolls_since_saturation": min(rolls) if rolls else None}
 
 
 def take_snapshot(model, optimizer, pgm, config, save_root: str, step: int, state: dict,

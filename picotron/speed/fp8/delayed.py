@@ -26,8 +26,8 @@ cast: one process takes it over the whole sequence, of which a rank holds a chun
 
 Checkpoints: a save takes the amaxes the next roll would set (`rolled_amaxes`: the same
 all-reduce, the ledger left as it is) and keeps them by site name in state.json, one set
-for every layout; a resume in any layout (`load_amaxes`) casts its first step with them, as
-the run that went on does after its roll. A checkpoint without them (or of a model with
+for every layout, with the saturation guard's hold; a resume in any layout (`load_amaxes`)
+casts its first step with them, as the run that went on does after its roll. A checkpoint without them (or of a model with
 other sites: model.kernels changes the fused blocks) resumes calibrating.
 
 Layouts: the roll all-reduces `seen` (MAX) over the tensor-parallel group (an operand whose
@@ -56,7 +56,7 @@ rest (`calibrating` is host state its graph is specialized on).
 import torch
 import torch.distributed as dist
 
-from picotron.speed.fp8.saturation import FACTORS, SaturationGuard
+from picotron.speed.fp8.saturation import FACTORS, HOLD_STEPS, SaturationGuard
 
 # Each site's `seen` is SLOTS int32 places, SLOT_STRIDE apart (128 bytes: one cache line each),
 # and a cast kernel's program maxes into the one its grid index picks, so that no address
@@ -250,14 +250,22 @@ class AmaxLedger:
             return {}
         return dict(zip(self.names, self._next_scale_amax().tolist()))
 
-    def load_amaxes(self, amaxes: dict, device, dy_ratio: float = 1.0) -> bool:
+    def rolls_since_saturation(self):
+        """The guard's rolls since a site last saturated, capped at HOLD_STEPS (from there on
+        no scale is held, whatever the count), for a checkpoint; None before any cast."""
+        if self.guard is None:
+            return None
+        return int(min(self.guard.quiet.item(), HOLD_STEPS))
+
+    def load_amaxes(self, amaxes: dict, device, dy_ratio: float = 1.0, rolls=None) -> bool:
         """Take a checkpoint's `rolled_amaxes` (saved by any layout: the names are the
         layers', the values maxima over the step) if it holds every site of this ledger, in
         place (CUDA graphs read these buffers); the next step casts with them, as the saved
         run's would have. Else this run calibrates afresh. `dy_ratio`: this layout's output
         gradients over the saving one's (dp x cp over theirs: each rank's loss is the mean
         over its own tokens, the weight gradients then averaged), applied to the gradient
-        sites; a power of two moves no FP8 value."""
+        sites; a power of two moves no FP8 value. `rolls`: the saved guard's
+        `rolls_since_saturation` (None: no hold), so a resume within a hold holds on."""
         if not self.names or any(name not in amaxes for name in self.names):
             return False
         scale_amax, seen = self.buffers(device)
@@ -265,5 +273,6 @@ class AmaxLedger:
             [amaxes[n] * (dy_ratio if n.endswith(GRADIENT) else 1.0) for n in self.names],
             dtype=torch.float32))
         seen.zero_()
+        self.guard.quiet.fill_(float("inf") if rolls is None else rolls)
         self.calibrating = False
         return True
