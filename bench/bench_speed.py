@@ -113,7 +113,7 @@ def ours_runner(shape, mbs, seq, master, kernels, fused_loss, compile_, ckpt, at
         # with the roll and its saturation counts, as train.py's queue_step reads them
         pending.append(StepValues({"loss": loss, **fp8_step_values(model)}, device))
         return pending.pop(0).read()["loss"] if len(pending) == 2 else float("nan")
-    return step, config.model
+    return step, config
 
 
 def hf_runner(shape, mbs, seq, liger, ckpt):
@@ -189,7 +189,8 @@ def run_one(args, label, shape, mbs):
 
 
 def maker(label, shape, mbs, seq, ckpt=None):
-    """A function that builds the row's step function (in this process, on the GPU).
+    """A function that builds the row's step function (in this process, on the GPU) and
+    returns it with the row's config (None for the rows that are not ours).
     ckpt: activation checkpointing other than the row's own ("full" or "none")."""
     if label.endswith(" cat"):            # fused weights concatenated each step, as before
         from picotron.speed.kernels import fused_linear

@@ -11,6 +11,8 @@ the most device time. `--gemm` adds a matmul microbench: the separate q/k/v and 
 projections against one fused matmul each, forward plus both backward products (dX, dW), which
 predicts what fusing the projections can buy; `--attn_backends` times one layer's SDPA under
 each backend (flash, cuDNN, memory-efficient). Full tables go to DIR/profile_<shape>_<row>.txt.
+The "ours auto" row also prints each category's time against its memory-traffic floor at 4 TB/s:
+the bytes its kernels must move (bench/traffic_floor.py).
 """
 import argparse
 import json
@@ -27,6 +29,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
+
+from traffic_floor import BANDWIDTH, off_path, traffic_floor  # noqa: E402
 
 CATEGORIES = [          # first match wins; kernel names as the profiler reports them
     ("attention", r"cudnn|flash|fmha|sdpa|attention"),
@@ -64,7 +68,7 @@ def profile_row(args):
     import train
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     train.materialize = bench_speed.cached_materialize
-    step, _ = bench_speed.maker(args.one, args.shapes, args.mbs, args.seq)()
+    step, config = bench_speed.maker(args.one, args.shapes, args.mbs, args.seq)()
     for i in range(3):
         step(i)
     torch.cuda.synchronize()
@@ -109,12 +113,16 @@ def profile_row(args):
                   for a in prof.key_averages() if a.device_type == DeviceType.CPU
                   and a.self_device_time_total > 0), key=lambda r: -r[1])
     top = sorted(((n, ms, c // steps) for n, (ms, c) in by_name.items()), key=lambda r: -r[1])
+    floor_ms = {}       # "ours auto": the bytes each category must move, at BANDWIDTH
+    if args.one == "ours auto" and not off_path(config):
+        floor_ms = {cat: nbytes / BANDWIDTH * 1e3
+                    for cat, (nbytes, _) in traffic_floor(config).items()}
     print("RESULT " + json.dumps({
         "wall_ms": wall_ms, "busy_ms": busy / 1e3 / steps, "kernel_ms": sum(by_cat.values()),
         "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30,
         "by_cat": dict(by_cat), "top_kernels": top[:40], "top_ops": ops[:30],
         "gaps_ms": sum(g[0] for g in gaps) / 1e3 / steps, "n_gaps": len(gaps) // steps,
-        "top_gaps": gaps[:25]}))
+        "top_gaps": gaps[:25], "floor_ms": floor_ms}))
 
 
 def gemm_bench(emit, shape, mbs, seq):
@@ -246,7 +254,12 @@ def main():
             emit(f"{label:24s} wall {r['wall_ms']:.1f} ms/step, GPU busy {r['busy_ms']:.1f}, "
                  f"kernels {r['kernel_ms']:.1f}, peak {r['peak_gb']:.1f} GB\n    {cats}\n"
                  f"    idle gaps > 20 us: {r['n_gaps']} per step, {r['gaps_ms']:.1f} ms")
-            path = os.path.join(args.out, f"profile_{shape}_{label.replace(' ', '_').replace('+', 'plus')}.txt")
+            if r["floor_ms"]:       # measured against its memory-traffic floor (traffic_floor.py)
+                emit(f"    measured / floor ms at {BANDWIDTH / 1e12:.1f} TB/s: " + "  ".join(
+                    f"{cat} {r['by_cat'].get(cat, 0.0):.1f}/{ms:.1f}"
+                    for cat, ms in r["floor_ms"].items()))
+            name = label.replace(" ", "_").replace("+", "plus")
+            path = os.path.join(args.out, f"profile_{shape}_{name}.txt")
             with open(path, "w") as f:
                 f.write(f"{label} {shape}\n" + json.dumps(r["by_cat"], indent=1) + "\n")
                 f.write("\n# kernels: ms/step, launches/step, name\n")
