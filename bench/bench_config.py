@@ -27,18 +27,21 @@ def cached_materialize(model, seed, device, dtype, std=0.02):
     return model
 
 
-def shape_model(shape):
+def shape_model(shape, seq=0):
     """A preset's model section; "NAME@L" keeps its first L decoder layers (a shape too large
-    for one GPU, e.g. Llama-3-8B@8, measured per layer)."""
+    for one GPU, e.g. Llama-3-8B@8, measured per layer). `seq`: the sequence length the bench
+    runs, which the model's positions are raised to (RoPE extends to any; the bench trains
+    from scratch, so no pretrained length is exceeded)."""
     name, _, layers = shape.partition("@")
     model = resolve_model(name)
     if layers:
         model["num_hidden_layers"] = int(layers)
+    model["max_position_embeddings"] = max(model.get("max_position_embeddings", 0), seq)
     return model
 
 
 def base_config(shape, mbs, seq):
-    return {"model": shape_model(shape),
+    return {"model": shape_model(shape, seq),
             "training": {"micro_batch_size": mbs, "seq_length": seq, "dtype": "bfloat16",
                          "use_fused_adam": True, "total_train_steps": 1000, "warmup_steps": 1},
             "dataset": {"name": "synthetic"}}

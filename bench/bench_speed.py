@@ -121,7 +121,7 @@ def hf_runner(shape, mbs, seq, liger, ckpt):
     if liger:           # patches the Llama module: this process runs one row only
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
-    m = shape_model(shape)
+    m = shape_model(shape, seq)
     cfg = LlamaConfig(**{k: v for k, v in m.items() if k != "name"},
                       attn_implementation="sdpa", use_cache=False)
     with torch.device("cuda"):
