@@ -79,7 +79,7 @@ def describe_attention(config, device) -> str:
         kernel = sdpa_kernel(heads, kv_heads, config.training.seq_length,
                              m.hidden_size // m.num_attention_heads,
                              getattr(torch, config.training.dtype), device)
-        text = f"SDPA's {kernel} kernel"
+        text = f"SDPA's {kernel} kernel" if kernel else "SDPA (its kernel not known here)"
     else:
         text = {"eager": "eager (the reference)", "flash_attention_2": "flash-attn 2"}[name]
     return f"Ulysses over {d.cp_size} ranks around {text}" if ulysses > 1 else text
