@@ -69,3 +69,13 @@ def test_the_named_kernel_is_the_one_that_runs_on_a_gpu(seq):
     shape = (32, 32, seq, 64, torch.bfloat16, torch.device("cuda"))   # SmolLM-1.7B's heads
     named = sdpa_kernel(*shape)
     assert {named} == ran(*shape), named
+
+
+def test_a_torch_without_the_choice_function_still_starts(monkeypatch):
+    """The choice is asked of a private function of torch's: where it is gone or refuses,
+    the line says SDPA without naming a kernel, and the run goes on."""
+    def refuses(*args, **kwargs):
+        raise RuntimeError("no such choice")
+    monkeypatch.setattr(torch, "_fused_sdp_choice", refuses)
+    config = config_from_dict({"distributed": {"use_cpu": True}}, world_size=1)
+    assert describe_attention(config, torch.device("cpu")) == "SDPA (its kernel not known here)"
