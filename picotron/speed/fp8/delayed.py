@@ -27,8 +27,9 @@ cast: one process takes it over the whole sequence, of which a rank holds a chun
 Checkpoints: a save takes the amaxes the next roll would set (`rolled_amaxes`: the same
 all-reduce, the ledger left as it is) and keeps them by site name in state.json, one set
 for every layout, with the saturation guard's hold; a resume in any layout (`load_amaxes`)
-casts its first step with them, as the run that went on does after its roll. A checkpoint without them (or of a model with
-other sites: model.kernels changes the fused blocks) resumes calibrating.
+casts its first step with them, as the run that went on does after its roll. A checkpoint
+without them (or of a model with other sites: model.kernels changes the fused blocks)
+resumes calibrating.
 
 Layouts: the roll all-reduces `seen` (MAX) over the tensor-parallel group (an operand whose
 features are sharded) and the data x context group (the step's other micro-batches), so every
