@@ -72,7 +72,7 @@ def describe_attention(config, device) -> str:
         block = ("eager" if name == "eager" else
                  "SDPA's memory-efficient" if device.type == "cuda" else "SDPA's CPU flash")
         return f"ring attention over {d.cp_size} ranks, {block} kernel per block"
-    ulysses = d.cp_size if d.cp_size > 1 else 1     # Ulysses: a head share of whole sequences
+    ulysses = d.cp_size         # 1, or Ulysses: each rank a head share of whole sequences
     heads = m.num_attention_heads // (d.tp_size * ulysses)
     kv_heads = m.num_key_value_heads // (d.tp_size * ulysses)
     if name == "sdpa":
