@@ -20,7 +20,8 @@ without its '*'s):
     N tokens a micro-batch (B*T)    C hidden size     D head dim      I MLP width
     W = C + 2*K*D, the fused q/k/v width (K key/value heads)         V vocabulary
     L layers    P parameters (a tied embedding once)
-    R = 4 * SMS, the norm backward's programs (4 of 4 warps an SM at these widths)
+    R the norm backward's programs: 16 warps an SM in programs of its tile's warps
+        (triton_norms.py's _tile: 4 of 4 warps up to C = 4096), at most one a row block
     X = L*C*(W + C + 3*I), the projections' parameters: the weights cast to FP8 each step
 Counted: the steady state (the first FP8 step calibrates), every pass a kernel makes over a
 tensor from memory (the loss kernel's second read of a row may come from L2). Not counted: the
@@ -39,6 +40,7 @@ sys.path.insert(0, ROOT)
 
 from bench_config import base_config  # noqa: E402
 from picotron.config import config_from_dict  # noqa: E402
+from picotron.speed.kernels.triton_norms import _tile  # noqa: E402
 from picotron.utils import count_params  # noqa: E402
 
 BANDWIDTH = 4.0e12      # B/s: an H200's practical HBM rate (its copy kernels reach 4.1-4.2e12)
@@ -84,7 +86,9 @@ def symbols(config) -> dict:
     D = m.hidden_size // m.num_attention_heads
     s = dict(N=t.micro_batch_size * t.seq_length, C=m.hidden_size, D=D,
              W=m.hidden_size + 2 * m.num_key_value_heads * D, I=m.intermediate_size,
-             V=m.vocab_size, L=m.num_hidden_layers, P=count_params(m), R=4 * SMS)
+             V=m.vocab_size, L=m.num_hidden_layers, P=count_params(m))
+    _, rows, warps = _tile(m.hidden_size, backward=True)     # as triton_norms._programs
+    s["R"] = min(max(1, 16 // warps) * SMS, -(-s["N"] // rows))
     s["X"] = s["L"] * s["C"] * (s["W"] + s["C"] + 3 * s["I"])
     return s
 
@@ -144,12 +148,13 @@ def traffic_floor(config) -> dict:
         count("adds", "6*V*C")
     # copy/cat: each bf16 gradient copied into its bucket (data_parallel/buckets.py, 4 bytes a
     # parameter); the head's fp32 gradient to bf16 (speed/kernels/triton_loss.py, 6VC); the
-    # RoPE tables (model.rope_cos_sin): positions to fp32 (12N), cos and sin to bf16 (12ND)
-    count("copy/cat", "4*P + 6*V*C + 12*N + 12*N*D")
+    # RoPE tables (model.rope_cos_sin): positions to fp32 (12N), the angles' two halves
+    # concatenated (6ND: D/2 and D/2 fp32 in, D out), cos and sin to bf16 (12ND)
+    count("copy/cat", "4*P + 6*V*C + 12*N + 18*N*D")
     if t.cuda_graphs is True:   # the graphed layers' static inputs x, cos, sin and their
         count("copy/cat", "8*N*C + 8*N*D")  # output's gradient, copied in (cuda_graphs.py)
-    # reduction: each norm's R partial weight-gradient rows summed (dw.sum(0))
-    count("reduction", "(2*L + 1)*(4*R*C + 4*C)")
+    # reduction: each norm's R partial weight-gradient rows summed (dw.sum(0)), then made bf16
+    count("reduction", "(2*L + 1)*(4*R*C + 10*C)")
     # elementwise (torch): zero fills of the loss's fp32 head gradient (4VC) and of the
     # embedding's bf16 gradient (2VC), the head gradient times 1 / count (8VC); the RoPE
     # tables: angles (4N + 2ND: D/2 fp32 a token), cos and sin in fp32 (8ND each)

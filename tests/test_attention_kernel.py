@@ -23,11 +23,13 @@ OPS = {"flash": ("_scaled_dot_product_flash_attention",
 
 
 def ran(heads, kv_heads, seq, head_dim, dtype, device) -> set:
-    """The SDPA kernel ops that one call of the model's attention runs, laid out as the model
-    lays out q, k and v (a (B, T, N, D) projection viewed as (B, N, T, D))."""
-    q = torch.randn(1, seq, heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
-    k, v = (torch.randn(1, seq, kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
-            for _ in range(2))
+    """The SDPA kernel ops that one call of the model's attention runs in training: q, k and v
+    need gradients and are laid out as the model lays them out (a (B, T, N, D) projection
+    viewed as (B, N, T, D))."""
+    def projected(n):
+        return torch.randn(1, seq, n, head_dim, dtype=dtype, device=device,
+                           requires_grad=True).transpose(1, 2)
+    q, k, v = projected(heads), projected(kv_heads), projected(kv_heads)
     with profile() as prof:
         sdpa_attention(q, k, v)
     names = {e.name.removeprefix("aten::") for e in prof.events()}

@@ -168,9 +168,10 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
     if device_memory is not None and all(any(k in c for k in more_devices) for c in fitting):
         offload = _offloaded(config, fits)      # the one fix left on this many GPUs
         fitting += [offload] if offload else []
+    tried = ("twice the tp or pp, ZeRO, full recomputation, a smaller micro-batch"
+             + (", the AdamW state offloaded to the host" if device_memory is not None else ""))
     advice = ("; ".join(", ".join(f"{k}={v}" for k, v in c.items()) for c in fitting)
-              or "none of: twice the tp or pp, ZeRO, full recomputation, a smaller "
-                 "micro-batch, the AdamW state offloaded to the host")
+              or f"none of: {tried}")
     if any("distributed.tp_size" in c or "distributed.pp_size" in c for c in fitting):
         advice += " (a larger tp or pp takes as many times the devices)"
     return (f"this config needs an estimated {need / GiB:.1f} GiB {where} but "

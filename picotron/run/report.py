@@ -78,7 +78,8 @@ def describe_attention(config, device) -> str:
     if name == "sdpa":
         kernel = sdpa_kernel(heads, kv_heads, config.training.seq_length,
                              m.hidden_size // m.num_attention_heads,
-                             getattr(torch, config.training.dtype), device)
+                             getattr(torch, config.training.dtype), device,
+                             contiguous=ulysses > 1)    # Ulysses' all-to-all leaves them so
         text = f"SDPA's {kernel} kernel" if kernel else "SDPA (its kernel not known here)"
     else:
         text = {"eager": "eager (the reference)", "flash_attention_2": "flash-attn 2"}[name]

@@ -35,7 +35,8 @@ Layouts: the roll all-reduces `seen` (MAX) over the tensor-parallel group (an op
 features are sharded) and the data x context group (the step's other micro-batches), so every
 layout computes the scales one process computes over the same global batch, and gradient
 accumulation in one process equals data parallelism. The roll is one all-reduce per group of
-a few bytes per site, once a step.
+a few bytes per site, once a step; under pipeline parallelism also one of two scalars over the
+stages (the guard's hold is the whole model's) and an all-gather of four (`end_step`).
 
 When the roll runs: at the end of each optimizer step, where train.py collects the step's
 values (`end_step`: its saturation counts go out with them), and otherwise before the
@@ -57,7 +58,8 @@ rest (`calibrating` is host state its graph is specialized on).
 import torch
 import torch.distributed as dist
 
-from picotron.speed.fp8.saturation import FACTORS, HOLD_STEPS, SaturationGuard
+from picotron.speed.fp8 import saturation
+from picotron.speed.fp8.saturation import FACTORS, SaturationGuard
 
 # Each site's `seen` is SLOTS int32 places, SLOT_STRIDE apart (128 bytes: one cache line each),
 # and a cast kernel's program maxes into the one its grid index picks, so that no address
@@ -256,7 +258,7 @@ class AmaxLedger:
         no scale is held, whatever the count), for a checkpoint; None before any cast."""
         if self.guard is None:
             return None
-        return int(min(self.guard.quiet.item(), HOLD_STEPS))
+        return int(min(self.guard.quiet.item(), saturation.HOLD_STEPS))   # as set now
 
     def load_amaxes(self, amaxes: dict, device, dy_ratio: float = 1.0, rolls=None) -> bool:
         """Take a checkpoint's `rolled_amaxes` (saved by any layout: the names are the
