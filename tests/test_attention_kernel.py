@@ -1,6 +1,6 @@
 """The run's first lines name the kernel that runs attention. SDPA chooses among its kernels at
 each call (by device, dtype, head size, sequence length and layout), so the name comes from
-asking SDPA with the run's shape (picotron/attention.py's sdpa_kernel); each case here checks
+asking SDPA with the run's shape (picotron/run/report.py's sdpa_kernel); each case here checks
 that name against the aten op torch's profiler sees when the model's attention function runs.
 On a GPU (skipped on CPU; run on the device with `python -m pytest tests/test_attention_kernel.py`)
 the same at SmolLM-1.7B's heads for sequences of 2048 to 32768 tokens."""
@@ -10,9 +10,9 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention import sdpa_kernel as allowed_kernels
 from torch.profiler import profile
 
-from picotron.attention import sdpa_attention, sdpa_kernel
+from picotron.attention import sdpa_attention
 from picotron.config import config_from_dict
-from picotron.run.report import describe_attention
+from picotron.run.report import describe_attention, sdpa_kernel
 
 # the aten op each of SDPA's kernels runs as
 OPS = {"flash": ("_scaled_dot_product_flash_attention",

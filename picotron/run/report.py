@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from picotron.attention import resolved_name, sdpa_kernel
+from picotron.attention import resolved_name
 from picotron.checkpoint.checkpoint import save_root
 from picotron.config.checks import config_warnings
 from picotron.config.overrides import repeated_keys
@@ -63,9 +63,42 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
     return "\n".join(lines)
 
 
+# SDPA's kernels, by the names of torch.nn.attention.SDPBackend
+SDPA_KERNELS = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION":
+                "memory-efficient", "CUDNN_ATTENTION": "cuDNN", "OVERRIDEABLE": "a backend's own"}
+
+
+def sdpa_kernel(heads: int, kv_heads: int, seq: int, head_dim: int, dtype, device,
+                contiguous: bool = False):
+    """Which of its kernels SDPA runs in training for one sequence of this shape, or None where
+    torch cannot say (the choice is a private function of torch's). It picks by device, dtype,
+    head size, sequence length, layout and whether gradients are needed, so it is asked with
+    empty tensors that need them, laid out as the model's projections leave q, k and v: (1, T,
+    H, D) viewed as (1, H, T, D), or (1, H, T, D) itself where `contiguous` (Ulysses)."""
+    from torch.nn.attention import SDPBackend
+
+    def probe(n):
+        if contiguous:
+            return torch.empty(1, n, seq, head_dim, dtype=dtype, device=device,
+                               requires_grad=True)
+        return torch.empty(1, seq, n, head_dim, dtype=dtype, device=device,
+                           requires_grad=True).transpose(1, 2)
+    q, k = probe(heads), probe(kv_heads)
+    try:        # a private function of torch's: a line of the run's report must not end it
+        choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=heads != kv_heads)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    finally:
+        del q, k
+        if device.type == "cuda":       # the probe's blocks: not kept in this rank's cache
+            torch.cuda.empty_cache()
+    names = {backend.value: name for name, backend in SDPBackend.__members__.items()}
+    return SDPA_KERNELS.get(names.get(choice), f"SDPBackend {choice}")
+
+
 def describe_attention(config, device) -> str:
     """Which kernel runs a layer's attention on this rank. SDPA chooses at each call by device,
-    dtype and shape (attention.py's sdpa_kernel asks it with this rank's shape)."""
+    dtype and shape (sdpa_kernel, above, asks it with this rank's shape)."""
     m, d = config.model, config.distributed
     name = resolved_name(m.attn_implementation, device.type)
     if d.cp_size > 1 and d.cp_mode != "ulysses":   # context_parallel/kernels.py's blocks
