@@ -4,13 +4,13 @@ Each takes q (B, H, T, D), k and v (B, K, T, D) and returns (B, H, T, D), causal
 positions are already in q and k (RoPE), and the causal order is the sequence's order. H may be a
 multiple of K (grouped-query attention): query head h reads kv head h // (H/K).
 """
-import importlib.util
 import math
 
 import torch
 import torch.nn.functional as F
 
 from picotron.config import MissingPackage
+from picotron.config.features import flash_attn_installed
 
 
 def eager_attention(q, k, v):
@@ -44,15 +44,14 @@ def resolved_name(name: str, device_type: str) -> str:
     the model runs on CUDA, else SDPA."""
     if name != "auto":
         return name
-    has_flash = importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if has_flash and device_type == "cuda" else "sdpa"
+    return "flash_attention_2" if flash_attn_installed() and device_type == "cuda" else "sdpa"
 
 
 def resolve_attention(name: str, device_type: str):
     """The attention function for `model.attn_implementation` on this device. Asked for by
     name, flash-attn must be importable now, not at the first forward."""
     name = resolved_name(name, device_type)
-    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    if name == "flash_attention_2" and not flash_attn_installed():
         raise MissingPackage("model.attn_implementation='flash_attention_2'", "flash-attn "
                              "(`pip install flash-attn`)", "or use 'sdpa' ('auto' takes "
                              "flash-attn when it is installed)", "no module named flash_attn")
