@@ -40,7 +40,7 @@ from picotron.run.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
 from picotron.utils import StepValues, lr_at, set_cpu_threads, set_seed
 from picotron.data.validation import validation_line, validation_loss, validation_record
-from picotron.run.watchdog import Watchdog, end_if_peer_failure
+from picotron.run.watchdog import Watchdog, end_if_known_failure
 
 
 def setup(config_path, overrides=()):
@@ -295,5 +295,5 @@ if __name__ == "__main__":
     except KeyboardInterrupt:            # Ctrl-C before the watchdog took the signal over
         exit_interrupted()
     except BaseException as e:
-        end_if_peer_failure(e)           # a peer gone: one line, not the backend's traceback
+        end_if_known_failure(e)          # a peer gone, the GPU's memory full: one line
         raise

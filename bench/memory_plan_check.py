@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.run.memory_plan import ACCURACY, GiB, estimate  # noqa: E402
+from picotron.run.memory_plan import MARGIN, GiB, estimate  # noqa: E402
 
 
 def build_config(shape, mbs, seq, sets):
@@ -113,7 +113,7 @@ def main():
         args.mbs_one = int(args.mbs)
         return child(args)
     print(f"{'shape':<12} {'mbs':>4} {'estimate':>9} {'(held':>6} {'fwd':>6} {'step)':>6} "
-          f"{'measured':>9} {'ratio':>6}  within {ACCURACY:.0%}", flush=True)
+          f"{'measured':>9} {'ratio':>6}  within {MARGIN:.0%}", flush=True)
     for shape in args.shapes.split(","):
         for mbs in map(int, args.mbs.split(",")):
             result, detail = run_row(args, shape, mbs)
@@ -125,7 +125,7 @@ def main():
             shown = f"{measured:9.2f}" if measured != "OOM" else f"{'OOM':>9}"
             print(f"{shape:<12} {mbs:>4} {result['estimate']:9.2f} {result['held']:6.1f} "
                   f"{result['forward']:6.1f} {result['step']:6.1f} {shown} {ratio:6.3f}  "
-                  f"{'yes' if abs(ratio - 1) <= ACCURACY else 'NO'}", flush=True)
+                  f"{'yes' if abs(ratio - 1) <= MARGIN else 'NO'}", flush=True)
             if args.rows:
                 print(detail, flush=True)
 

@@ -9,12 +9,15 @@ Reading order (each file needs only the ones before it):
     step_log.py            one record per optimizer step, logged one step behind; progress
     launcher.py            what a worker shares with torchrun: its store and its error file
     stop_signals.py        SIGTERM and Ctrl-C, heard even while the training thread is blocked
-    watchdog.py            a dead or frozen rank, a dead launcher, a stop all ranks agree on
-    report.py              a run's first and last lines, the launch record, an error said once
     memory_activations.py  what each layer keeps for backward, path by path, with its formula
     memory_state.py        the weights, gradients and AdamW state of a rank's parameters
-    memory_plan.py         the memory a config needs per rank, and the refusal of one that
-                           cannot fit (`python -m picotron.run.memory_plan CONFIG`)
+    memory_advice.py       the changes that lower a config's memory, for the plan to name
+    memory_plan.py         the memory a config needs per rank, the refusal of one that cannot
+                           fit (`python -m picotron.run.memory_plan CONFIG`), and what a run
+                           that ran out anyway says
+    watchdog.py            a dead or frozen rank, a dead launcher, a stop all ranks agree on,
+                           a GPU out of memory
+    report.py              a run's first and last lines, the launch record, an error said once
     preflight.py           checked on this machine before a config is written: its data and
                            tokenizer can be found
     slurm.py               `create_config.py --slurm`: a batch script for several nodes

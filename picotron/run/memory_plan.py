@@ -1,7 +1,9 @@
 """The memory a config needs on each rank, estimated from its sizes before anything is
-allocated, and the refusal of a config that cannot fit (`check_memory`, called by train.py's
-set-up). The rows' formulas live in memory_state.py (weights, gradients, AdamW state) and
-memory_activations.py (what backward keeps).
+allocated; the refusal of a config that cannot fit and the warning for one that fits with
+little to spare (`check_memory`, called by train.py's set-up), each naming the changes that
+would fit (memory_advice.py); and what a run that ran out of memory anyway says
+(`out_of_memory_message`, said by the watchdog). The rows' formulas live in memory_state.py
+(weights, gradients, AdamW state) and memory_activations.py (what backward keeps).
 
     estimate(config) -> Estimate(rows, device_bytes, host_bytes, pp_rank, rule)
 
@@ -15,11 +17,13 @@ dp ranks are alike). `when` says at which moment of a step the bytes are alive:
     host      host memory: CPU-offloaded AdamW state, the weights drawn at build time
 device bytes = held + max(forward, step), or held + forward + step under CUDA graphs (the
 graphs' pool keeps the activations' blocks from the step's end). The estimate counts tensors,
-not the CUDA context, the allocator's fragmentation or the kernels' workspaces;
-tests/test_memory_plan.py measures its accuracy on CPU and bench/memory_plan_check.py on a GPU.
+not the allocator's fragmentation or the kernels' workspaces, and a GPU's memory is counted
+less what the CUDA context holds (GPU_RESERVED); tests/test_memory_plan.py measures its
+accuracy on CPU and bench/memory_plan_check.py on a GPU.
 """
 import copy
 import os
+import re
 import sys
 from collections import namedtuple
 
@@ -30,12 +34,20 @@ from picotron.config.checks import layout_errors
 from picotron.config.features import fp8_auto_choice
 from picotron.errors import ConfigError
 from picotron.run.memory_activations import Row, activation_rows
+from picotron.run.memory_advice import describe_fixes, fixes
 from picotron.run.memory_state import GiB, rank_params, state_rows
 
 Estimate = namedtuple("Estimate", "rows device_bytes host_bytes pp_rank rule")
-# Refuse only when even the estimate minus this fraction does not fit: a config that might
-# fit is left to run (measured accuracy: the test and the bench above).
-ACCURACY = 0.15
+# The estimate counts tensors, and has never measured above the peak: on CPU 1-5% below the
+# resident set, on an H200 0-8% below the allocator's reserved peak (bench/NOTES.md, "Memory").
+# So a config whose estimate exceeds the memory is refused; one that fits with less than
+# MARGIN to spare runs, with a warning; the changes named as fixes leave MARGIN.
+MEASURED_LOW = 0.08
+MARGIN = 0.10
+# What a CUDA process holds beside PyTorch's allocator (the context, cuBLAS and cuDNN
+# workspaces, loaded kernels), out of the GPU's total: measured at an out-of-memory on an H200
+# (torch 2.11, CUDA 13), 139.57 GiB in use against 136.38 GiB reserved by PyTorch.
+GPU_RESERVED = int(3.2 * GiB)
 
 
 def rank_estimate(config, pp_rank: int) -> Estimate:
@@ -75,110 +87,88 @@ def describe(e: Estimate) -> str:
     return "\n".join(lines)
 
 
-def _changed(config, changes: dict):
-    """A copy of config with {"section.key": value} applied."""
-    variant = copy.deepcopy(config)
-    for name, value in changes.items():
-        section, key = name.split(".")
-        setattr(getattr(variant, section), key, value)
-    return variant
-
-
-def _options(config) -> list:
-    """{"section.key": value} changes, each lowering the memory per device, to try."""
-    d, t = config.distributed, config.training
-    more_tp = {"distributed.tp_size": 2 * d.tp_size}
-    if t.fused_loss != "none":          # refused under tp: the vocab-parallel loss instead
-        more_tp["training.fused_loss"] = "none"
-    options = [more_tp, {"distributed.pp_size": 2 * d.pp_size}]
-    if d.cp_size * d.dp_size > 1:
-        options += [{"distributed.zero_stage": z} for z in (1, 2, 3) if z > d.zero_stage]
-    if t.activation_checkpointing != "full":
-        options.append({"training.activation_checkpointing": "full"})
-    if t.dtype != "float32" and t.master_weights:
-        options.append({"training.master_weights": False})
-    return options
-
-
-def _smaller_micro_batch(config, fits):
-    """The largest micro-batch below the config's that fits, as changes that keep the global
-    batch (more micro-batches of fewer sequences), or None."""
-    t = config.training
-    mbs = t.micro_batch_size // 2
-    while mbs >= 1:
-        factor = -(-t.micro_batch_size // mbs)
-        changes = {"training.micro_batch_size": mbs,
-                   "training.gradient_accumulation_steps": t.gradient_accumulation_steps * factor}
-        if fits(_changed(config, changes)):
-            return changes
-        mbs //= 2
-    return None
-
-
-def _offloaded(config, fits):
-    """The smallest share of the AdamW state stepped on the host (distributed.offload_optim_frac,
-    in tenths), with full recomputation when that alone is not enough, that fits on the same
-    devices, as changes, or None. The host is slower at AdamW than the GPU, so this is named
-    only where nothing that keeps the step on the devices fits without more of them."""
-    t = config.training
-    for base in ({}, {"training.activation_checkpointing": "full"}):
-        if base and t.activation_checkpointing == "full":
-            break
-        for tenths in range(1, 11):
-            frac = tenths / 10
-            changes = {**base, "distributed.offload_optim_frac": frac}
-            if frac > config.distributed.offload_optim_frac and fits(_changed(config, changes)):
-                return changes
-    return None
-
-
 def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -> str:
     """"" when the estimate fits in `device_memory` and `host_memory` (bytes), else the
-    refusal: the estimate, its biggest rows, and which of a few changes the estimate says
-    would fit. device_memory None: the device is the host (use_cpu); the host is shared by
-    `ranks_per_host` ranks."""
-    def needs(e):                       # (device need, host need) in bytes
-        if device_memory is None:
-            return 0, ranks_per_host * (e.device_bytes + e.host_bytes)
-        return e.device_bytes, ranks_per_host * e.host_bytes
-
-    def fits(variant, slack=0.0):
-        if layout_errors(variant):
-            return False
-        dev, host = needs(estimate(variant))
-        return ((device_memory is None or dev * (1 - slack) <= device_memory)
-                and host * (1 - slack) <= host_memory)
-    if fits(config, ACCURACY):
-        return ""
+    refusal: the estimate, its biggest rows, and the changes that fit with MARGIN to spare
+    (memory_advice.py). device_memory None: the device is the host (use_cpu); the host is
+    shared by `ranks_per_host` ranks."""
     e = estimate(config)
-    dev, host = needs(e)
-    on_device = device_memory is not None and dev * (1 - ACCURACY) > device_memory
+    dev, host = _needs(e, device_memory, ranks_per_host)
+    if (device_memory is None or dev <= device_memory) and host <= host_memory:
+        return ""
+    on_device = device_memory is not None and dev > device_memory
     need, has = (dev, device_memory) if on_device else (host, host_memory)
     where = ("per GPU" if on_device else
              f"on this host ({ranks_per_host} rank{'s' if ranks_per_host > 1 else ''})")
     biggest = ", ".join(f"{r.name} {r.bytes / GiB:.1f} GiB"
                         for r in sorted(e.rows, key=lambda r: -r.bytes)[:3])
-    fitting = [changes for changes in _options(config) if fits(_changed(config, changes))]
-    for base in ({}, {"training.activation_checkpointing": "full"}):
-        smaller = _smaller_micro_batch(_changed(config, base), fits)
-        if smaller and (not base or not fitting):
-            fitting.append({**base, **smaller})
-            break
-    more_devices = ("distributed.tp_size", "distributed.pp_size")
-    if device_memory is not None and all(any(k in c for k in more_devices) for c in fitting):
-        offload = _offloaded(config, fits)      # the one fix left on this many GPUs
-        fitting += [offload] if offload else []
-    tried = ("twice the tp or pp, ZeRO, full recomputation, a smaller micro-batch"
-             + (", the AdamW state offloaded to the host" if device_memory is not None else ""))
-    advice = ("; ".join(", ".join(f"{k}={v}" for k, v in c.items()) for c in fitting)
-              or f"none of: {tried}")
-    if any("distributed.tp_size" in c or "distributed.pp_size" in c for c in fitting):
-        advice += " (a larger tp or pp takes as many times the devices)"
     return (f"this config needs an estimated {need / GiB:.1f} GiB {where} but "
-            f"{'the GPU' if on_device else 'the host'} has {has / GiB:.1f} GiB (pipeline "
-            f"rank {e.pp_rank}; the estimate is accurate to ~{ACCURACY:.0%}); biggest parts: "
-            f"{biggest}; the estimate says these would fit: {advice}; `python -m "
-            f"picotron.run.memory_plan CONFIG` prints every row")
+            f"{'the GPU' if on_device else 'the host'} has {has / GiB:.1f} GiB{_usable(on_device)}"
+            f"; pipeline rank {e.pp_rank}, whose estimates have measured up to "
+            f"{MEASURED_LOW:.0%} below the peak; biggest parts: {biggest}; these would fit with "
+            f"{MARGIN:.0%} to spare: {_fixes(config, device_memory, host_memory, ranks_per_host)}"
+            f"; `python -m picotron.run.memory_plan CONFIG` prints every row")
+
+
+def memory_warning(config, device_memory, host_memory, ranks_per_host: int = 1) -> str:
+    """"" unless the estimate fits but leaves less than MARGIN of the memory to spare: then a
+    warning that the run may run out of memory, with the changes that would leave it."""
+    dev, host = _needs(estimate(config), device_memory, ranks_per_host)
+    if _within(dev, host, device_memory, host_memory, MARGIN):
+        return ""
+    on_device = device_memory is not None and dev * (1 + MARGIN) > device_memory
+    need, has = (dev, device_memory) if on_device else (host, host_memory)
+    return (f"warning: the memory estimate ({need / GiB:.1f} GiB "
+            f"{'per GPU' if on_device else 'on this host'}) leaves less than {MARGIN:.0%} of "
+            f"the {has / GiB:.1f} GiB{_usable(on_device)} to spare, and estimates have measured"
+            f" up to {MEASURED_LOW:.0%} below the peak: this run may run out of memory. These "
+            f"would leave {MARGIN:.0%}: "
+            f"{_fixes(config, device_memory, host_memory, ranks_per_host)}")
+
+
+def out_of_memory_message(error, config, device) -> str:
+    """What the watchdog says when the GPU ran out of memory anyway: torch's request, PyTorch's
+    peak on this GPU, the estimate, and the changes whose estimates come MARGIN below both
+    the memory and this config's own estimate, which proved short."""
+    request = re.search(r"Tried to allocate [\d.]+ \w+", str(error))
+    device_memory, host_memory, ranks = machine_memory(config, device)
+    need = estimate(config).device_bytes
+    return (f"the GPU ran out of memory{f' ({request[0]})' if request else ''}, at a peak of "
+            f"{torch.cuda.max_memory_allocated(device) / GiB:.1f} GiB allocated and "
+            f"{torch.cuda.max_memory_reserved(device) / GiB:.1f} GiB reserved by PyTorch, of "
+            f"{device_memory / GiB:.1f} GiB{_usable(True)}; the plan estimated "
+            f"{need / GiB:.1f} GiB per GPU (`python -m picotron.run.memory_plan CONFIG` prints "
+            f"every row); these would fit with {MARGIN:.0%} to spare: "
+            f"{_fixes(config, min(device_memory, need), host_memory, ranks)}")
+
+
+def _needs(e: Estimate, device_memory, ranks_per_host: int) -> tuple:
+    """(device need, host need) in bytes: on CPU runs the host holds both, for every rank."""
+    if device_memory is None:
+        return 0, ranks_per_host * (e.device_bytes + e.host_bytes)
+    return e.device_bytes, ranks_per_host * e.host_bytes
+
+
+def _within(dev, host, device_memory, host_memory, margin: float) -> bool:
+    return ((device_memory is None or dev * (1 + margin) <= device_memory)
+            and host * (1 + margin) <= host_memory)
+
+
+def _fixes(config, device_memory, host_memory, ranks_per_host) -> str:
+    def fits(variant):
+        if layout_errors(variant):
+            return False
+        return _within(*_needs(estimate(variant), device_memory, ranks_per_host),
+                       device_memory, host_memory, MARGIN)
+    on_gpu = device_memory is not None
+    return describe_fixes(fixes(config, fits, on_gpu), on_gpu)
+
+
+def _usable(on_gpu: bool) -> str:
+    """What "the GPU has N GiB" means: machine_memory counts a GPU's total less GPU_RESERVED."""
+    if not on_gpu:
+        return ""
+    return f" usable (its total less {GPU_RESERVED / GiB:.1f} GiB outside PyTorch)"
 
 
 def host_memory_bytes() -> int:
@@ -187,28 +177,34 @@ def host_memory_bytes() -> int:
 
 
 def machine_memory(config, device) -> tuple:
-    """(device memory, or None when the device is the host; host memory; ranks per host) in
-    bytes, as a run of `config` on `device` has them here. The memory they have, not what is
-    free now: the same on every rank of a node."""
+    """(device memory PyTorch can use, or None when the device is the host; host memory;
+    ranks per host) in bytes, as a run of `config` on `device` has them here: the memory they
+    have, not what is free now, so the same on every rank of a node."""
     if device.type == "cuda":
         ranks = max(1, min(config.world_size, torch.cuda.device_count()))
-        return torch.cuda.mem_get_info(device)[1], host_memory_bytes(), ranks
+        return (torch.cuda.mem_get_info(device)[1] - GPU_RESERVED, host_memory_bytes(),
+                ranks)
     return None, host_memory_bytes(), config.world_size
 
 
 def check_memory(config, device) -> None:
     """Raise ConfigError when the estimate says the config cannot fit in this rank's device or
     host memory, before anything is allocated. Every rank of a node refuses alike (the entry
-    point then prints the message once and the other ranks leave quietly)."""
-    message = memory_errors(config, *machine_memory(config, device))
+    point then prints the message once and the other ranks leave quietly). Rank 0 warns of a
+    config that fits with less than MARGIN to spare."""
+    memory = machine_memory(config, device)
+    message = memory_errors(config, *memory)
     if message:
         raise ConfigError(message)
+    warning = memory_warning(config, *memory)
+    if warning and int(os.environ.get("RANK", 0)) == 0:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def main(argv=None):
     """`python -m picotron.run.memory_plan CONFIG`: print a config's estimate, row by row, then
     whether it fits this machine, as train.py checks it: exit 1 when it does not (2: a config
-    that does not load)."""
+    that does not load); "may not fit" with the fixes when it fits with little to spare."""
     import argparse
     from picotron.config import load_config
     from picotron.config.overrides import parse_flags
@@ -236,10 +232,15 @@ def main(argv=None):
     if message:
         print(f"error: does not fit this machine: {message}", file=sys.stderr)
         sys.exit(1)
-    has = (f"the GPU's {device_memory / GiB:.1f} GiB" if device_memory is not None else
-           f"the host's {host_memory / GiB:.1f} GiB, shared by {ranks} "
+    warning = memory_warning(config, device_memory, host_memory, ranks)
+    if warning:
+        print(f"may not fit this machine: {warning.removeprefix('warning: ')}")
+        return
+    has = (f"the GPU's {device_memory / GiB:.1f} GiB{_usable(True)}" if device_memory is not None
+           else f"the host's {host_memory / GiB:.1f} GiB, shared by {ranks} "
            f"rank{'s' if ranks > 1 else ''}")
-    print(f"fits this machine: the estimate is within {has}, as train.py checks it")
+    print(f"fits this machine: the estimate is within {has}, with {MARGIN:.0%} to spare, as "
+          f"train.py checks it")
 
 
 def fp8_auto_note(config, e: Estimate):

@@ -6,6 +6,8 @@ healthy rank, whose timeout is what the launcher reports; a dead launcher leaves
 training unsupervised; a dead peer shows as a backend's traceback on every rank; a SIGTERM (a
 scheduler's notice) or a Ctrl-C throws away every step since the last checkpoint.
 
+A GPU that runs out of memory ends the same way, with what the memory plan says would fit.
+
 A thread on every rank (`Watchdog`) watches; torch's ops release the GIL, so it runs beside
 the training thread, and a long step or a checkpoint write never looks like a freeze.
 Every `TICK_S` it:
@@ -36,10 +38,12 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from picotron.config.checks import heartbeat_seconds
 from picotron.run.launcher import launcher_store, tell_launcher
+from picotron.run.memory_plan import out_of_memory_message
 from picotron.run.stop_signals import AT_ONCE_AFTER_S, NAMES, StopSignals
 from picotron.utils import process_gone
 
@@ -62,11 +66,14 @@ class _Closed(Exception):
     """A store call failed after close(): the launcher may go once the run is over."""
 
 
-def end_if_peer_failure(error: BaseException) -> None:
-    """For the exception leaving train.py: when it is a collective that failed because a
-    peer is gone, end with the watchdog's one line instead of the backend's traceback."""
+def end_if_known_failure(error: BaseException) -> None:
+    """For the exception leaving train.py: a collective that failed because a peer is gone,
+    or the GPU out of memory, ends with the watchdog's one line instead of a traceback."""
     if _running is not None and is_peer_failure(error):
         _running.collective_failed(error)
+    if _running is not None and isinstance(error, torch.OutOfMemoryError):
+        device = torch.device("cuda", torch.cuda.current_device())
+        _running._fail(out_of_memory_message(error, _running.config, device))
 
 
 class Watchdog:
@@ -77,6 +84,7 @@ class Watchdog:
 
     def __init__(self, config, is_logger: bool):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.config = config                # for the out-of-memory message's fixes
         self.is_logger = is_logger
         self.limit = heartbeat_seconds(config.distributed)
         self.step, self.stop, self.stop_step = 0, None, None   # stop: (reason, message)
