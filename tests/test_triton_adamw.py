@@ -133,37 +133,119 @@ def test_a_skipped_step_is_not_counted(problem):
     assert all(int(opt.state[s]["step"]) == 4 for s in shards)    # what a checkpoint saves
 
 
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_training(cls, offload, dtype="float32"):
+    """(model, optimizer, step): the tiny model and `cls` (DistributedAdamW or TritonAdamW)
+    over its gradient buckets, built as train.py builds them; step(i) trains on batch i."""
+    from picotron.config import Config, DistributedConfig, TrainingConfig
+    from picotron.data_parallel import GradBuckets
+    from picotron.process_group_manager import ProcessGroupManager
+    from speed_helpers import build_with_speed
+    config = Config(training=TrainingConfig(dtype=dtype),
+                    distributed=DistributedConfig(offload_optim_frac=offload,
+                                                  use_cpu=DEVICE == "cpu"))
+    model, loss_fn = build_with_speed(TINY, device=DEVICE, dtype=getattr(torch, dtype))
+    pgm = ProcessGroupManager()
+    grads = GradBuckets(model, pgm, config)
+    optimizer = cls(grads, pgm, config)
+
+    def step(i):
+        ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(i))
+        grads.sync = True
+        loss_fn(model(ids[:, :-1].to(DEVICE)), ids[:, 1:].to(DEVICE)).backward()
+        grads.finish()
+        _, skipped = optimizer.step(1e-3)
+        grads.zero_grad()
+        assert not bool(skipped)
+    return model, optimizer, step
+
+
+def weights_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("offload", [0.0, 0.5])
 def test_triton_adamw_trains_like_the_reference(offload):
     """The optimizer class train.py builds on a GPU (speed/adamw.py: TritonAdamW) against the
     readable DistributedAdamW it subclasses: the same model and batches, 3 steps, fp32. With
-    half the optimizer state offloaded to the CPU its step is the reference's, torch's AdamW
-    stepping the offloaded masters and the kernel the others."""
-    from picotron.config import Config, DistributedConfig, TrainingConfig
-    from picotron.data_parallel import DistributedAdamW, GradBuckets
-    from picotron.process_group_manager import ProcessGroupManager
+    half the optimizer state offloaded to the CPU its step is the reference's, torch's fused
+    AdamW stepping the offloaded masters (within an ulp of the reference's foreach one) and the
+    kernel the others."""
+    from picotron.data_parallel import DistributedAdamW
     from picotron.speed.adamw import TritonAdamW
-    from speed_helpers import build_with_speed
-    tiny = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2)
-    config = Config(training=TrainingConfig(dtype="float32"),
-                    distributed=DistributedConfig(offload_optim_frac=offload,
-                                                  use_cpu=DEVICE == "cpu"))
     weights = {}
     for cls in (DistributedAdamW, TritonAdamW):
-        model, loss_fn = build_with_speed(tiny, device=DEVICE)
-        pgm = ProcessGroupManager()
-        grads = GradBuckets(model, pgm, config)
-        optimizer = cls(grads, pgm, config)
+        model, optimizer, step = tiny_training(cls, offload)
         assert (optimizer.offload_optimizer is not None) == (offload > 0)
-        for step in range(3):
-            ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(step))
-            grads.sync = True
-            loss_fn(model(ids[:, :-1].to(DEVICE)), ids[:, 1:].to(DEVICE)).backward()
-            grads.finish()
-            _, skipped = optimizer.step(1e-3)
-            grads.zero_grad()
-            assert not bool(skipped)
-        weights[cls] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for i in range(3):
+            step(i)
+        weights[cls] = weights_of(model)
     for name, w in weights[DistributedAdamW].items():
         assert rel(weights[TritonAdamW][name], w) < 1e-5, name
+
+
+def test_offloaded_masters_step_with_torchs_fused_adamw():
+    """TritonAdamW steps the CPU-offloaded masters with torch's fused CPU AdamW (one pass per
+    tensor, where foreach makes one per op) with the reference's hyper-parameters group by
+    group, in the place checkpoints look for it (`optimizers`). In bf16 with everything
+    offloaded (no kernel: the host path alone), 3 steps: the gradients come down in bf16 and are
+    scaled in fp32 on the host, so the fp32 masters follow the reference's within fused AdamW's
+    ulp of foreach's; the weights go up as each master rounded to bf16, exactly."""
+    from picotron.data_parallel import DistributedAdamW
+    from picotron.speed.adamw import TritonAdamW
+    runs = {cls: tiny_training(cls, 1.0, "bfloat16") for cls in (DistributedAdamW, TritonAdamW)}
+    ref, ours = runs[DistributedAdamW][1], runs[TritonAdamW][1]
+    fused = ours.offload_optimizer
+    assert fused.defaults["fused"] and fused in ours.optimizers
+    assert ours.device_optimizer is None and len(ours.optimizers) == 1
+    keys = ("lr", "betas", "eps", "weight_decay")
+    assert [[g[k] for k in keys] + [len(g["params"])] for g in fused.param_groups] == \
+        [[g[k] for k in keys] + [len(g["params"])] for g in ref.offload_optimizer.param_groups]
+    assert all(ours._optimizer_of(m) is fused for m in ours.masters)
+    for i in range(3):
+        for cls in runs:
+            runs[cls][2](i)
+    for m, r, shard in zip(ours.masters, ref.masters, ours.param_shards):
+        assert m.dtype == torch.float32 and rel(m, r) < 1e-5
+        assert shard.dtype == torch.bfloat16 and torch.equal(shard.cpu(), m.bfloat16())
+    assert all(int(fused.state[m]["step"]) == 3 for m in ours.masters)
+
+
+@pytest.mark.parametrize("saver", ["reference", "triton"])
+def test_optimizer_state_round_trips_between_reference_and_triton(saver):
+    """A checkpoint's optimizer state (param_state: moments and masters keyed by parameter, as
+    checkpoint/write.py saves it) written by one class loads into the other, although their
+    offloaded moments live in different optimizers (foreach and fused): saved again it is the
+    same tensors, and the next step from it is the step the saver would have taken."""
+    from picotron.data_parallel import DistributedAdamW
+    from picotron.speed.adamw import TritonAdamW
+    classes = {"reference": DistributedAdamW, "triton": TritonAdamW}
+    loader = classes["triton" if saver == "reference" else "reference"]
+    model, optimizer, step = tiny_training(classes[saver], 0.5)
+    for i in range(2):
+        step(i)
+    state = optimizer.param_state()
+    named = dict(model.named_parameters())
+    model2, optimizer2, step2 = tiny_training(loader, 0.5)
+    with torch.no_grad():      # the weights first, as checkpoint/checkpoint.py loads them
+        for n, p in model2.named_parameters():
+            p.copy_(named[n])
+    by_name = {n: state[p] for n, p in named.items()}
+    optimizer2.load_param_state({"step": state["step"],
+                                 **{p: by_name[n] for n, p in model2.named_parameters()}})
+    ours = optimizer2 if loader is TritonAdamW else optimizer
+    assert ours.offload_optimizer.defaults["fused"]       # the state crossed foreach <-> fused
+    again = optimizer2.param_state()
+    assert again["step"] == state["step"] == 2
+    for n, p in model2.named_parameters():
+        assert sorted(again[p]) == sorted(by_name[n]), n
+        for key, value in by_name[n].items():
+            assert torch.equal(again[p][key], value), (n, key)
+    step(2)
+    step2(2)
+    want = weights_of(model)
+    for n, w in weights_of(model2).items():
+        assert rel(w, want[n]) < 1e-5, n

@@ -101,6 +101,6 @@ def state_rows(config, params: Params) -> list:
         rows.append(Row("FP8 weight copies", proj * 2, "held", f"{proj:,} x 2 B (W, W^T)"))
     if on_host:
         rows.append(Row("CPU-offloaded AdamW state", on_host * 20, "host",
-                        f"{on_host:,.0f} x (12 B fp32 master + moments, 4 B gradient copy, "
-                        f"4 B AdamW temporary)"))
+                        f"{on_host:,.0f} x (12 B fp32 master + moments, 8 B the gradient's "
+                        f"copies and AdamW's temporaries, or the GPU's transfer buffers)"))
     return rows
