@@ -93,11 +93,10 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
     (memory_advice.py). device_memory None: the device is the host (use_cpu); the host is
     shared by `ranks_per_host` ranks."""
     e = estimate(config)
-    dev, host = _needs(e, device_memory, ranks_per_host)
-    if (device_memory is None or dev <= device_memory) and host <= host_memory:
+    short = _shortfall(e, device_memory, host_memory, ranks_per_host, margin=0.0)
+    if short is None:
         return ""
-    on_device = device_memory is not None and dev > device_memory
-    need, has = (dev, device_memory) if on_device else (host, host_memory)
+    need, has, on_device = short
     where = ("per GPU" if on_device else
              f"on this host ({ranks_per_host} rank{'s' if ranks_per_host > 1 else ''})")
     biggest = ", ".join(f"{r.name} {r.bytes / GiB:.1f} GiB"
@@ -113,11 +112,10 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
 def memory_warning(config, device_memory, host_memory, ranks_per_host: int = 1) -> str:
     """"" unless the estimate fits but leaves less than MARGIN of the memory to spare: then a
     warning that the run may run out of memory, with the changes that would leave it."""
-    dev, host = _needs(estimate(config), device_memory, ranks_per_host)
-    if _within(dev, host, device_memory, host_memory, MARGIN):
+    short = _shortfall(estimate(config), device_memory, host_memory, ranks_per_host, MARGIN)
+    if short is None:
         return ""
-    on_device = device_memory is not None and dev * (1 + MARGIN) > device_memory
-    need, has = (dev, device_memory) if on_device else (host, host_memory)
+    need, has, on_device = short
     return (f"warning: the memory estimate ({need / GiB:.1f} GiB "
             f"{'per GPU' if on_device else 'on this host'}) leaves less than {MARGIN:.0%} of "
             f"the {has / GiB:.1f} GiB{_usable(on_device)} to spare, and estimates have measured"
@@ -149,17 +147,21 @@ def _needs(e: Estimate, device_memory, ranks_per_host: int) -> tuple:
     return e.device_bytes, ranks_per_host * e.host_bytes
 
 
-def _within(dev, host, device_memory, host_memory, margin: float) -> bool:
-    return ((device_memory is None or dev * (1 + margin) <= device_memory)
-            and host * (1 + margin) <= host_memory)
+def _shortfall(e: Estimate, device_memory, host_memory, ranks_per_host, margin: float):
+    """None when the estimate with `margin` to spare fits the device and the host, else
+    (need, has, on_device) in bytes for the one it does not fit (the device first)."""
+    dev, host = _needs(e, device_memory, ranks_per_host)
+    if device_memory is not None and dev * (1 + margin) > device_memory:
+        return dev, device_memory, True
+    if host * (1 + margin) > host_memory:
+        return host, host_memory, False
+    return None
 
 
 def _fixes(config, device_memory, host_memory, ranks_per_host) -> str:
     def fits(variant):
-        if layout_errors(variant):
-            return False
-        return _within(*_needs(estimate(variant), device_memory, ranks_per_host),
-                       device_memory, host_memory, MARGIN)
+        return not layout_errors(variant) and _shortfall(
+            estimate(variant), device_memory, host_memory, ranks_per_host, MARGIN) is None
     on_gpu = device_memory is not None
     return describe_fixes(fixes(config, fits, on_gpu), on_gpu)
 

@@ -69,9 +69,11 @@ class _Closed(Exception):
 def end_if_known_failure(error: BaseException) -> None:
     """For the exception leaving train.py: a collective that failed because a peer is gone,
     or the GPU out of memory, ends with the watchdog's one line instead of a traceback."""
-    if _running is not None and is_peer_failure(error):
+    if _running is None:
+        return
+    if is_peer_failure(error):
         _running.collective_failed(error)
-    if _running is not None and isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, torch.OutOfMemoryError):
         device = torch.device("cuda", torch.cuda.current_device())
         _running._fail(out_of_memory_message(error, _running.config, device))
 

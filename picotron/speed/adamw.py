@@ -66,7 +66,6 @@ class TritonAdamW(DistributedAdamW):
             self.on_gpu = grads.buckets[0].params.device.type == "cuda"
             self.grad_mul_host = torch.empty((), dtype=torch.float32, pin_memory=self.on_gpu)
             self.staging = self.host_buffers(pin=self.on_gpu)
-            self.uploaded = None         # an event after the last step's uploads (on a GPU)
 
     def host_buffers(self, pin: bool):
         """{master: (grad, grad32, weights)} for each offloaded master, host tensors of its
@@ -133,19 +132,13 @@ class TritonAdamW(DistributedAdamW):
         for group in self.offload_optimizer.param_groups:
             group["lr"] = lr
         self.offload_optimizer.step()
-        # up: the last step's copies read the same `weights` buffers. They were queued before
-        # this step's downloads on the same stream, so the wait above saw them done; the event
-        # says so without assuming one stream, and costs nothing when they are.
-        if self.uploaded is not None:
-            self.uploaded.synchronize()
+        # up: the last step's copies read these same `weights` buffers; they were queued on
+        # this stream before this step's downloads, so the wait above saw them done
         for _, master, shard in mine:
             master.grad = None
             weights = self.staging[master][2]
             weights.copy_(master)
             shard.copy_(weights, non_blocking=True)
-        if self.on_gpu:
-            self.uploaded = torch.cuda.Event()
-            self.uploaded.record()
 
     def _update(self, lr: float, scalars):
         """The kernel on every master on the device. scalars: fp32 (2,) on the device,
