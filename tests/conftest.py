@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -14,7 +16,10 @@ if not torch.cuda.is_available():
 
 # The shared token cache (and Hugging Face's caches) go to the user's cache folder, found
 # through XDG_CACHE_HOME: the tests (and the runs they launch) get a folder of their own.
+# Removed when the session ends: left behind, one per session, they fill a machine that runs
+# the suite all day.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="picotron-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]

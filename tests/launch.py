@@ -2,6 +2,7 @@
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,11 +103,13 @@ def _rank_server() -> str:
     """The socket of this session's launch server, started at the first launch."""
     proc = _SERVER.get("proc")
     if proc is None or proc.poll() is not None:
-        path = os.path.join(tempfile.mkdtemp(prefix="picotron-ranks-"), "socket")
+        folder = tempfile.mkdtemp(prefix="picotron-ranks-")
+        path = os.path.join(folder, "socket")
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "workers",
                                                               "fork_ranks.py"), "--serve", path],
                                 env=_env(), cwd=ROOT)
-        atexit.register(proc.kill)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(proc.kill)  # runs first (atexit is last in, first out)
         while not os.path.exists(path):
             if proc.poll() is not None:
                 raise AssertionError(f"the launch server exited {proc.returncode}")
