@@ -25,7 +25,7 @@ from picotron.data_parallel import GradBuckets, ShardedParams
 from picotron.errors import RunStopped, SharedDataError
 from picotron.checkpoint.hf_io import load_hf_weights
 from picotron.loss import build_loss
-from picotron.run.memory_plan import check_memory
+from picotron.plan.memory_plan import check_memory
 from picotron.run.metrics_log import MetricsLog, import_loggers
 from picotron.model import Decoder, materialize
 from picotron.run.output_paths import check_output_dirs

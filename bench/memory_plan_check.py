@@ -1,4 +1,4 @@
-"""The memory estimate (picotron/run/memory_plan.py) against torch.cuda.max_memory_allocated on one
+"""The memory estimate (picotron/plan/memory_plan.py) against torch.cuda.max_memory_allocated on one
 GPU: the SmolLM presets at seq 2048, the default fast path, a few micro-batches.
 
     python bench/memory_plan_check.py [--shapes SmolLM-135M,SmolLM-360M,SmolLM-1.7B]
@@ -9,7 +9,7 @@ train.py's build_training and `--steps` queued steps on synthetic tokens, with
 torch.cuda.max_memory_allocated read from the process's start (weights, AdamW state, activations,
 gradients: everything the estimate counts; max_memory_reserved under CUDA graphs, whose pool counts
 as allocated only while it is captured). One line per row: the estimate, split into what is held all
-step and the forward and step phases (picotron/run/memory_plan.py says what each holds), the
+step and the forward and step phases (picotron/plan/memory_plan.py says what each holds), the
 measured peak, their ratio, and whether it is within the estimate's stated accuracy (15%). A row
 that runs out of memory prints OOM next to its estimate.
 """
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 from picotron.config import config_from_dict  # noqa: E402
-from picotron.run.memory_plan import MARGIN, GiB, estimate  # noqa: E402
+from picotron.plan.memory_plan import MARGIN, GiB, estimate  # noqa: E402
 
 
 def build_config(shape, mbs, seq, sets):
@@ -80,7 +80,7 @@ def child(args):
         result["measured"] = "OOM"
     print("RESULT " + json.dumps(result), flush=True)
     if args.rows:
-        from picotron.run.memory_plan import describe
+        from picotron.plan.memory_plan import describe
         print(describe(e), flush=True)
 
 

@@ -129,7 +129,7 @@ def train(args, name, world, flags, timeout=900):
     except SystemExit:
         return "config refused (see the message above)"
     from picotron.config import load_config
-    from picotron.run.memory_plan import GiB, estimate
+    from picotron.plan.memory_plan import GiB, estimate
     estimate_gb = estimate(load_config(path, world)).device_bytes / GiB   # per GPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_port", str(free_port()), os.path.join(ROOT, "train.py"), "--config", path]

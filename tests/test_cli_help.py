@@ -93,12 +93,12 @@ def parser_calls(path: str) -> list:
 def test_no_command_takes_an_abbreviated_flag():
     """argparse takes `--seq 128` for `--seq_len 128` unless told not to; a flag added later
     would make such a command ambiguous, or change what it sets. Every parser of the
-    repository's commands (the scripts, `python -m picotron.run.memory_plan`) is told."""
+    repository's commands (the scripts, `python -m picotron.plan.memory_plan`) is told."""
     package = [os.path.relpath(os.path.join(d, f), ROOT)
                for d, _, names in os.walk(os.path.join(ROOT, "picotron")) for f in names
                if f.endswith(".py")]
     calls = {f: parser_calls(f) for f in scripts() + package}
-    assert calls["picotron/run/memory_plan.py"], "memory_plan's parser not found"
+    assert calls["picotron/plan/memory_plan.py"], "memory_plan's parser not found"
     allowing = [f"{f}:{line}" for f, found in calls.items() for line, refused in found
                 if not refused]
     assert not allowing, f"ArgumentParser without allow_abbrev=False: {allowing}"
@@ -110,7 +110,7 @@ ABBREVIATED = [  # (module, its other arguments, an abbreviated flag, the flag i
     ("generate", ["--checkpoint", "x", "0.5"], "--temp", "--temperature"),
     ("export_hf", ["--checkpoint", "x", "y"], "--ou", "--out"),
     ("plot", ["x", "900x300"], "--si", "--size"),
-    ("picotron.run.memory_plan", [], "--hel", "--help"),
+    ("picotron.plan.memory_plan", [], "--hel", "--help"),
 ]
 
 

@@ -25,7 +25,7 @@ import torch
 
 from launch import ROOT, final_weights, launch_many, launch_script, read_metrics, write_config
 from picotron.config import Config, ConfigError, config_from_dict
-from picotron.run.memory_plan import estimate
+from picotron.plan.memory_plan import estimate
 
 STEPS = 6
 TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",

@@ -1,4 +1,4 @@
-"""The memory estimate (picotron/run/memory_plan.py): against a measured CPU training step, against
+"""The memory estimate (picotron/plan/memory_plan.py): against a measured CPU training step, against
 the tensors autograd saves, in how it scales with the layout, and the refusal it makes."""
 import json
 import os
@@ -12,8 +12,8 @@ import torch
 from launch import ROOT
 from picotron.attention import eager_attention, sdpa_attention
 from picotron.config import config_from_dict
-from picotron.run.memory_activations import in_flight, layer_bytes, rank_layer_spans
-from picotron.run.memory_plan import (MARGIN, GiB, describe, estimate, fp8_auto_note,
+from picotron.plan.memory_activations import in_flight, layer_bytes, rank_layer_spans
+from picotron.plan.memory_plan import (MARGIN, GiB, describe, estimate, fp8_auto_note,
                                       memory_errors, memory_warning, rank_params)
 from picotron.model import Decoder, materialize
 from picotron.pipeline_parallel.schedules import peak_alive, schedule_orders
@@ -261,7 +261,7 @@ def test_train_refuses_absurd_sizes_quickly_without_allocating(tmp_path):
 
 
 def test_the_command_line_names_a_bad_config_without_a_traceback(tmp_path, capsys):
-    from picotron.run.memory_plan import main
+    from picotron.plan.memory_plan import main
     bad = tmp_path / "config.json"
     bad.write_text("[1, 2]")
     for path, words in ((str(tmp_path / "missing.json"), "missing.json' does not exist"),
@@ -277,7 +277,7 @@ def test_the_command_line_says_whether_the_config_fits_this_machine(tmp_path, ca
                                                                     monkeypatch):
     """After the table, the verdict train.py's check would give here: fits (exit 0), or its
     refusal with the changes that would fit (exit 1)."""
-    from picotron.run import memory_plan
+    from picotron.plan import memory_plan
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config().to_dict()))
     memory_plan.main([str(path)])

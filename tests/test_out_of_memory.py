@@ -1,4 +1,4 @@
-"""Memory that is nearly full, and memory that ran out (picotron/run/memory_plan.py, said by
+"""Memory that is nearly full, and memory that ran out (picotron/plan/memory_plan.py, said by
 picotron/run/watchdog.py): a config whose estimate fits with less than MARGIN to spare runs,
 with a warning that names the changes that would leave it; a run whose GPU runs out of memory
 anyway ends in one line, with the fixes, not torch's traceback."""
@@ -9,8 +9,8 @@ import sys
 from launch import ROOT, write_config
 from picotron.config import config_from_dict
 from picotron.config.overrides import apply_overrides
-from picotron.run import memory_plan
-from picotron.run.memory_plan import MARGIN, estimate, memory_errors, memory_warning
+from picotron.plan import memory_plan
+from picotron.plan.memory_plan import MARGIN, estimate, memory_errors, memory_warning
 
 SMALL = {"distributed": {"use_cpu": True}, "dataset": {"name": "synthetic"},
          "model": {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
@@ -67,7 +67,7 @@ def test_the_command_line_says_a_config_may_not_fit(tmp_path, capsys, monkeypatc
 OUT_OF_MEMORY = """
 import runpy, sys, torch
 from picotron.data_parallel import DistributedAdamW
-from picotron.run import memory_plan
+from picotron.plan import memory_plan
 GiB = 2 ** 30
 memory_plan.machine_memory = lambda config, device: (40 * GiB, 64 * GiB, 1)
 torch.cuda.current_device = lambda: 0

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CAPPED = """
 import runpy, sys, torch
 from picotron.config import load_config
-from picotron.run.memory_plan import estimate
+from picotron.plan.memory_plan import estimate
 need = estimate(load_config(sys.argv[1])).device_bytes
 torch.cuda.set_per_process_memory_fraction(0.5 * need / torch.cuda.mem_get_info()[1])
 sys.argv = ["train.py", "--config", sys.argv[1]]

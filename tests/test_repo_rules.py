@@ -26,6 +26,7 @@ LAYERS = [
               "picotron.context_parallel", "picotron.data_parallel"]),
     ("data", ["picotron.data"]),
     ("checkpoint", ["picotron.checkpoint"]),
+    ("plan", ["picotron.plan"]),
     ("run", ["picotron.run"]),
     ("speed.kernels", ["picotron.speed.kernels"]),
     ("speed.fp8", ["picotron.speed.fp8"]),

@@ -12,7 +12,7 @@ since every range has a finite upper end, NaN and infinity are refused everywher
 The caps on sizes are far above any model trained so far, and keep the element counts of the
 largest tensors inside int64: the logits' mbs*T*V <= 2^61, a V*C embedding, a C*I matrix. A
 size that is merely too large for the machine's memory is refused when the run is built, from
-an estimate (picotron/run/memory_plan.py), not here.
+an estimate (picotron/plan/memory_plan.py), not here.
 """
 import os
 import re

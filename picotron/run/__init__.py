@@ -1,6 +1,6 @@
 """The run wing: what turns the training loop into a job an operator can trust. What a run
-writes and says, the faults it must notice, whether a config fits in memory before anything
-is allocated, the checks made before a config is written, and sampling from the result.
+writes and says, the faults it must notice, the checks made before a config is written, and
+sampling from the result. (Whether a config fits in memory is the plan wing's question.)
 
 Reading order (each file needs only the ones before it):
     output_paths.py        the folders and files a run writes, checked before anything is built
@@ -9,12 +9,6 @@ Reading order (each file needs only the ones before it):
     step_log.py            one record per optimizer step, logged one step behind; progress
     launcher.py            what a worker shares with torchrun: its store and its error file
     stop_signals.py        SIGTERM and Ctrl-C, heard even while the training thread is blocked
-    memory_activations.py  what each layer keeps for backward, path by path, with its formula
-    memory_state.py        the weights, gradients and AdamW state of a rank's parameters
-    memory_advice.py       the changes that lower a config's memory, for the plan to name
-    memory_plan.py         the memory a config needs per rank, the refusal of one that cannot
-                           fit (`python -m picotron.run.memory_plan CONFIG`), and what a run
-                           that ran out anyway says
     watchdog.py            a dead or frozen rank, a dead launcher, a stop all ranks agree on,
                            a GPU out of memory
     report.py              a run's first and last lines, the launch record, an error said once

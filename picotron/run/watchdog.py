@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from picotron.config.checks import heartbeat_seconds
 from picotron.run.launcher import launcher_store, tell_launcher
-from picotron.run.memory_plan import out_of_memory_message
+from picotron.plan.memory_plan import out_of_memory_message
 from picotron.run.stop_signals import AT_ONCE_AFTER_S, NAMES, StopSignals
 from picotron.utils import process_gone
 

@@ -33,9 +33,9 @@ from picotron.config import resolve_auto
 from picotron.config.checks import layout_errors
 from picotron.config.features import fp8_auto_choice
 from picotron.errors import ConfigError
-from picotron.run.memory_activations import Row, activation_rows
-from picotron.run.memory_advice import describe_fixes, fixes
-from picotron.run.memory_state import GiB, rank_params, state_rows
+from picotron.plan.memory_activations import Row, activation_rows
+from picotron.plan.memory_advice import describe_fixes, fixes
+from picotron.plan.memory_state import GiB, rank_params, state_rows
 
 Estimate = namedtuple("Estimate", "rows device_bytes host_bytes pp_rank rule")
 # The estimate counts tensors, and has never measured above the peak: on CPU 1-5% below the
@@ -106,7 +106,7 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
             f"; pipeline rank {e.pp_rank}, whose estimates have measured up to "
             f"{MEASURED_LOW:.0%} below the peak; biggest parts: {biggest}; these would fit with "
             f"{MARGIN:.0%} to spare: {_fixes(config, device_memory, host_memory, ranks_per_host)}"
-            f"; `python -m picotron.run.memory_plan CONFIG` prints every row")
+            f"; `python -m picotron.plan.memory_plan CONFIG` prints every row")
 
 
 def memory_warning(config, device_memory, host_memory, ranks_per_host: int = 1) -> str:
@@ -135,7 +135,7 @@ def out_of_memory_message(error, config, device) -> str:
             f"{torch.cuda.max_memory_allocated(device) / GiB:.1f} GiB allocated and "
             f"{torch.cuda.max_memory_reserved(device) / GiB:.1f} GiB reserved by PyTorch, of "
             f"{device_memory / GiB:.1f} GiB{_usable(True)}; the plan estimated "
-            f"{need / GiB:.1f} GiB per GPU (`python -m picotron.run.memory_plan CONFIG` prints "
+            f"{need / GiB:.1f} GiB per GPU (`python -m picotron.plan.memory_plan CONFIG` prints "
             f"every row); these would fit with {MARGIN:.0%} to spare: "
             f"{_fixes(config, min(device_memory, need), host_memory, ranks)}")
 
@@ -204,7 +204,7 @@ def check_memory(config, device) -> None:
 
 
 def main(argv=None):
-    """`python -m picotron.run.memory_plan CONFIG`: print a config's estimate, row by row, then
+    """`python -m picotron.plan.memory_plan CONFIG`: print a config's estimate, row by row, then
     whether it fits this machine, as train.py checks it: exit 1 when it does not (2: a config
     that does not load); "may not fit" with the fixes when it fits with little to spare."""
     import argparse

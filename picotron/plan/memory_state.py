@@ -5,7 +5,7 @@ they need under the config's dtype, ZeRO stage, offload and gradient reduction
 """
 from collections import namedtuple
 
-from picotron.run.memory_activations import BYTES, Row, rank_layer_spans
+from picotron.plan.memory_activations import BYTES, Row, rank_layer_spans
 
 GiB = 2 ** 30
 
