@@ -197,5 +197,17 @@ def main(argv=None) -> str:
     return path
 
 
+def debug_config(out_dir: str = "tmp") -> str:
+    """What `python train.py` with no --config trains: `out_dir/debug/config.json`, written as
+    `python create_config.py --out_dir tmp --exp_name debug [--use_cpu]` writes it (on CPU
+    when this machine has no GPU) unless it is already there, in which case it is used as is."""
+    path = os.path.join(out_dir, "debug", "config.json")
+    if os.path.exists(path):
+        return path
+    import torch       # only here: the rest of this script runs without it
+    cpu = [] if torch.cuda.is_available() else ["--use_cpu"]
+    return main(["--out_dir", out_dir, "--exp_name", "debug"] + cpu)
+
+
 if __name__ == "__main__":
     main()

@@ -1,8 +1,9 @@
-"""Train: `torchrun --nproc_per_node N train.py --config tmp/NAME/config.json`.
+"""Train: `torchrun --nproc_per_node N train.py --config tmp/NAME/config.json`, or `python
+train.py --config ...` for one process (N = the config's dp*tp*pp*cp; with no `--config`: the
+debug preset, in tmp/debug).
 
 Read top to bottom: set-up (processes, config, grid), build (model on the meta device,
-parallelism, weights), then the training loop. `python train.py --config ...` also works for
-one process without torchrun.
+parallelism, weights), then the training loop.
 """
 import argparse
 import contextlib
@@ -14,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from create_config import debug_config
 from picotron.attention import resolve_attention
 from picotron.checkpoint.checkpoint import (CheckpointError, CheckpointSaver,
                                             SharedCheckpointError, check_new_run, resume, save_root)
@@ -174,18 +176,16 @@ def queue_step(model, loss_fn, grads, optimizer, batches, step, config, pgm, dev
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Train a picotron model: `torchrun --nproc_per_node N train.py --config "
-                    "tmp/NAME/config.json` (N = the config's dp*tp*pp*cp), or `python "
-                    "train.py --config ...` for one process.", allow_abbrev=False)
-    parser.add_argument("--config", type=os.path.expanduser, required=True,
-                        help="the run's config.json, written by create_config.py; the run's "
-                             "outputs go to its folder unless logging.run_dir says otherwise")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", type=os.path.expanduser, help="the run's config.json (by "
+                        "create_config.py; outputs go to its folder unless logging.run_dir "
+                        "says otherwise); none: the debug preset, in tmp/debug/config.json")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a key of the config file for this launch (repeatable; "
-                             "validated like the file, recorded in RUN_DIR/launches.jsonl), "
-                             "e.g. --set checkpoint.load_path=latest")
-    return parse_flags(parser, argv)
+                        help="override a key of the config file for this launch (repeatable, "
+                        "checked, recorded in RUN_DIR/launches.jsonl): checkpoint.load_path=latest")
+    args = parse_flags(parser, argv)
+    args.config = args.config or debug_config()      # written on first use, then reused
+    return args
 
 
 def main(argv=None):
