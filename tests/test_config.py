@@ -180,11 +180,11 @@ def test_missing_fast_path_packages_are_named_with_their_fix(monkeypatch):
     assert resolve_attention("auto", "cuda") is sdpa_attention
 
 
-def test_readme_config_reference_lists_every_key():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+def test_the_config_reference_lists_every_key():
+    reference = open(os.path.join(ROOT, "docs", "config.md")).read()
     for section, values in Config().to_dict().items():
         for key in values:
-            assert f"| `{section}.{key}` |" in readme, f"{section}.{key} missing from README"
+            assert f"| `{section}.{key}` |" in reference, f"{section}.{key} missing from docs"
 
 
 def test_auto_resolves_to_the_fast_path_on_gpus_and_the_reference_on_cpu():

@@ -13,6 +13,8 @@ Reading order (each file needs only the ones before it):
                   meant, for an unknown key or flag
     config.py     the typed config: loading, validation, and `resolve_auto` (what `auto` picks)
     presets.py    `--model_name` -> the `model` section (a preset, a local folder, a hub id)
+    reference.py  the config reference page (docs/config.md), generated from the above and
+                  help.json, one help line a key
 
 The names below are the wing's front door: `from picotron.config import Config, load_config`.
 """

@@ -151,7 +151,7 @@ def expand_home(config: Config) -> None:
             setattr(getattr(config, section), name, os.path.expanduser(value))
 
 
-def resolve_auto(config: Config) -> None:
+def resolve_auto(config: Config, fp8_tensor_cores: Optional[bool] = None) -> None:
     """Replace each "auto" speed option by the fastest measured path that fits the layout
     (bench/NOTES.md has the measurements); on CPU, by the readable reference. What was chosen
     is recorded in `config.auto_resolved`, for the run's first line (a second call, finding
@@ -164,7 +164,8 @@ def resolve_auto(config: Config) -> None:
     readable ops to fuse; CUDA graphs over the layers of one-GPU runs of small models, where
     the host's launches would limit the step (features.cuda_graphs_auto_choice);
     FP8 GEMMs (tensorwise_delayed) for models wide enough that they pay, on GPUs that have FP8
-    tensor cores (features.fp8_auto_choice)."""
+    tensor cores (features.fp8_auto_choice; `fp8_tensor_cores` says whether the GPU has them
+    when it is not this process's, as for the config reference; None: ask this process's)."""
     m, t = config.model, config.training
     gpu = not config.distributed.use_cpu
     chosen = {}
@@ -180,7 +181,7 @@ def resolve_auto(config: Config) -> None:
     if t.cuda_graphs == "auto":                      # before FP8, whose choice depends on it
         t.cuda_graphs = chosen["training.cuda_graphs"] = gpu and cuda_graphs_auto_choice(config)
     if t.fp8 == "auto":
-        t.fp8 = chosen["training.fp8"] = fp8_auto_choice(config) if gpu else "none"
+        t.fp8 = chosen["training.fp8"] = fp8_auto_choice(config, fp8_tensor_cores) if gpu else "none"
     config.auto_resolved = {**getattr(config, "auto_resolved", {}), **chosen}
 
 

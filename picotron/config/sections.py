@@ -2,7 +2,7 @@
 and what it means.
 
 picotron/config/config.py assembles them into `Config`, loads and validates a file; this module is
-the reference of every key (the README's table of options follows it).
+the reference of every key (docs/config.md is generated from it and help.json).
 """
 from dataclasses import dataclass, field
 from typing import Optional, Union

@@ -9,4 +9,6 @@ Reading order (each file needs only the ones before it):
     memory_plan.py         the memory a config needs per rank, the refusal of one that cannot
                            fit (`python -m picotron.plan.memory_plan CONFIG`), and what a run
                            that ran out anyway says
+    grid_figure.py         the grid as a picture: every rank's coordinates and every group
+                           (`python -m picotron.plan.grid_figure --dp 4 --tp 2 --pp 2 --out F`)
 """
