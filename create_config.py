@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the config without checking that this machine has its dataset "
                         "and tokenizer (for a config written here to run on another machine)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="set any config key (repeatable; README's config reference lists "
+                   help="set any config key (repeatable; docs/config.md lists "
                         "them), the value read as JSON when it parses (a text key takes a "
                         "number as typed: logging.run_name=2024), e.g. --set "
                         "training.warmup_steps=10 --set dataset.tokenizer=gpt2")

@@ -1,8 +1,8 @@
 """Every layout trains like one process, and checkpoints move between layouts.
 
-LAYOUTS below is the parity matrix (8 gloo ranks each); the README's table of proven layouts
-is rendered from it: `python tests/test_4d.py` prints the table, and a test checks that the
-README holds exactly that text.
+LAYOUTS below is the parity matrix (8 gloo ranks each); the table of proven layouts in README
+and docs/layouts.md is rendered from it: `python tests/test_4d.py` prints the table, and a test
+checks that both pages hold exactly that text.
 """
 import os
 import sys
@@ -139,8 +139,9 @@ def test_checkpoint_moves_between_layouts(runs):
 
 
 def test_readme_lists_the_proven_layouts():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        assert readme_table() in f.read(), "README table stale: run python tests/test_4d.py"
+    for page in ("README.md", os.path.join("docs", "layouts.md")):
+        with open(os.path.join(ROOT, page)) as f:
+            assert readme_table() in f.read(), f"{page}'s table stale: run python tests/test_4d.py"
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def test_bad_ranges_are_refused_with_the_fix(xml_file):
 
 def test_the_palm_enwik8_recipe_scaled_down_trains_and_reports_bits_per_byte(xml_file,
                                                                              tmp_path):
-    """README's palm-enwik8 command with the model, file and ranges made small."""
+    """docs/data.md's palm-enwik8 command with the model, file and ranges made small."""
     path = write_config(tmp_path, "palm-enwik8", [
         "--model_name", "palm-enwik8", "--dataset_name", xml_file, "--seq_len", str(SEQ),
         "--mbs", "4", "--grad_acc_steps", "2", "--learning_rate", "2e-4",

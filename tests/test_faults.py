@@ -16,7 +16,7 @@ exactly.
 - a save that cannot start (its directory cannot be made): every rank stops with one message
   naming the checkpoint and the fix, and the checkpoints before it resume exactly.
 Two layouts share the cases: dp2 x tp2, and dp2 x pp2. The detection times are printed
-(`pytest -s`), and the README's reliability section quotes them."""
+(`pytest -s`), and docs/reliability.md quotes them."""
 import glob
 import json
 import os

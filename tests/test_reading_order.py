@@ -1,11 +1,12 @@
-"""The reading order, checked against the code, in its two parts.
+"""The reading order (docs/course.md, and README's short form), checked against the code, in
+its two parts.
 
-- The course (README's "The course"): every module at the top of picotron/, every file of the
+- The course (docs/course.md's "The files, in reading order"): every module at the top of picotron/, every file of the
   four axis folders, and train.py, each listed once, in an order where no file imports one
   listed after it, so a student who reads top to bottom has always met what the file in front
   of them uses; its total length is printed, and kept under COURSE_MAX_LINES.
-- The wings (README's "The wings"): every other folder of picotron/ is a wing that README
-  points at, and whose `__init__.py` docstring lists every file (and sub-wing) of its folder
+- The wings (the wings' lists of docs/course.md and README): every other folder of picotron/
+  is a wing that both point at, and whose `__init__.py` docstring lists every file (and sub-wing) of its folder
   once, again in an order where no file imports one listed after it."""
 import ast
 import os
@@ -17,15 +18,21 @@ AXES = ("tensor_parallel", "pipeline_parallel", "context_parallel", "data_parall
 COURSE_MAX_LINES = 4500
 
 
-def readme_section(heading: str) -> str:
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    return text.split(f"\n### {heading}\n", 1)[1].split("\n#", 1)[0]
+COURSE_PAGE = os.path.join("docs", "course.md")
+
+
+def page_section(page: str, heading: str) -> str:
+    """The text under `heading` (any level) of a markdown page, up to the next heading."""
+    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    body = re.split(rf"\n#+ {re.escape(heading)}\n", text, maxsplit=1)
+    assert len(body) == 2, f"{page} has no heading '{heading}'"
+    return body[1].split("\n#", 1)[0]
 
 
 def course_order() -> list:
-    """The files README's "The course" list names, in order. A bare file name is resolved in
+    """The files the course's numbered list names, in order. A bare file name is resolved in
     the folder named last before it (`tensor_parallel/` then `layers.py`), else in picotron/."""
-    section = readme_section("The course")
+    section = page_section(COURSE_PAGE, "The files, in reading order")
     section = section[section.index("\n1. "):]          # the numbered list, not its preface
     files, folder = [], None
     for token in re.findall(r"`([^`]+)`", section):
@@ -37,7 +44,7 @@ def course_order() -> list:
         candidates = ([token] if "/" in token or token == "train.py" else
                       [f"picotron/{folder}/{token}"] * bool(folder) + [f"picotron/{token}"])
         found = [c for c in candidates if os.path.exists(os.path.join(ROOT, c))]
-        assert found, f"README's course names `{token}`, which is not in the repository"
+        assert found, f"{COURSE_PAGE} names `{token}`, which is not in the repository"
         files.append(found[0])
     return files
 
@@ -117,19 +124,23 @@ def test_the_course_stays_short(capsys):
     assert lines <= COURSE_MAX_LINES, (
         f"the course is {lines} lines, over {COURSE_MAX_LINES}: move what a training step does "
         f"not need into the wing it serves")
-    quoted = re.search(r"About ([\d,]+) lines", readme_section("The course"))
-    assert quoted, "README's course does not say its length"
-    said = int(quoted.group(1).replace(",", ""))
-    assert abs(said - lines) <= 0.05 * lines, f"README says about {said} lines; it is {lines}"
+    for page, heading in ((COURSE_PAGE, "The files, in reading order"),
+                          ("README.md", "The course")):
+        quoted = re.search(r"About ([\d,]+) lines", page_section(page, heading))
+        assert quoted, f"{page}'s course does not say its length"
+        said = int(quoted.group(1).replace(",", ""))
+        assert abs(said - lines) <= 0.05 * lines, f"{page} says about {said} lines; it is {lines}"
 
 
 def test_each_wing_lists_its_files_in_order():
     modules = package_modules()
-    readme_wings = readme_section("The wings")
+    lists = {page: page_section(page, "The wings") for page in (COURSE_PAGE, "README.md")}
     problems = []
     for wing in wings():
-        if wing.count("/") == 1 and f"]({wing}/__init__.py)" not in readme_wings:
-            problems.append(f"README's wings do not point at {wing}/__init__.py")
+        for page, listed in lists.items():
+            if wing.count("/") == 1 and not re.search(rf"\]\((\.\./)?{wing}/__init__\.py\)",
+                                                      listed):
+                problems.append(f"{page}'s wings do not point at {wing}/__init__.py")
         listed = wing_order(wing)
         present = {os.path.join(wing, os.path.basename(p)) for p in modules.values()
                    if os.path.dirname(p) == wing and not p.endswith("__init__.py")}

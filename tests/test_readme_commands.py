@@ -1,10 +1,13 @@
 """The README's quick start, run line by line exactly as the README prints it.
 
-A new user copies these lines in order: create a config, train, sample, export to Hugging
-Face, load the export in transformers, fine-tune the export, resume the first run. Each line
-must work after the ones before it, on a CPU machine with no network, and the first training
-must log every metric and learn more than byte frequencies. The `pip install` line
-is the environment this suite already runs in, so it is the one line not run here.
+A new user copies these lines in order: install and train (`... && python train.py`, which
+trains the debug preset into tmp/debug), sample, export to Hugging Face, load the export in
+transformers, fine-tune the export, resume the first run. Each line must work after the ones
+before it, on a CPU machine with no network, and the first training must log every metric and
+learn more than byte frequencies. The `pip install` commands before the first line's last
+`&&` are the environment this suite already runs in, so they are the part not run here. The
+GPU example's config and the memory plan the README runs on it are run too (the training
+itself needs GPUs).
 
 The commands run in a fresh folder that holds links to the repository's scripts and package,
 so their relative paths (`tmp/debug/...`) resolve as they would in a clone.
@@ -31,12 +34,24 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
 LINKED = ("create_config.py", "train.py", "generate.py", "export_hf.py", "picotron", "configs")
 
 
-def quick_start_commands() -> list:
-    """The lines of the first ```bash block under '## Quick start'."""
+def readme_section(heading: str) -> str:
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme.split("## Quick start", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line for line in block.splitlines() if line.strip()]
+    return readme.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def bash_blocks(section: str) -> list:
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def quick_start_commands() -> list:
+    """The training command after the install (the first block's last `&&`), then the lines
+    of the next-steps block (the one that starts by sampling)."""
+    blocks = bash_blocks(readme_section("Quick start"))
+    *install, train = blocks[0].split(" && ")
+    assert "\n" not in blocks[0] and install, blocks[0]
+    assert all(part.startswith("pip install ") for part in install), install
+    next_steps = next(b for b in blocks if b.startswith("python generate.py"))
+    return [train] + [line for line in next_steps.splitlines() if line.strip()]
 
 
 def run_line(line: str, cwd: str) -> str:
@@ -83,10 +98,10 @@ def test_quick_start_runs_as_printed(tmp_path):
     for name in LINKED:
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     commands = quick_start_commands()
-    assert commands[0].startswith("pip install"), commands[0]
-    out = [run_line(line, str(tmp_path)) for line in commands[1:]]
-    create, train, generate, export, load, create_ft, fine_tune, resumed = out
-    assert create.strip() == "tmp/debug/config.json"
+    assert commands[0] == "python train.py", commands[0]
+    out = [run_line(line, str(tmp_path)) for line in commands]
+    train, generate, export, load, create_ft, fine_tune, resumed = out
+    assert train.splitlines()[0] == "tmp/debug/config.json", train[:500]   # written, then run
     assert "step   200/200" in train and "done: 200 steps" in train, train[-2000:]
     assert "checkpoint" in train.splitlines()[-1] and "step_000200" in train.splitlines()[-1]
     first = losses(train)
@@ -120,8 +135,7 @@ def check_start_lines(root, train, fine_tune, resumed):
             f"{lr_at(201, debug):.2e} under the checkpoint's (200 steps), is "
             f"{lr_at(201, longer):.2e} under this config (220 steps)")
     assert said in resumed.splitlines(), resumed[:3000]
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    assert said in readme.split("## Quick start", 1)[1].split("\n## ", 1)[0].splitlines()
+    assert said in readme_section("Quick start").splitlines()
 
 
 def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
@@ -137,3 +151,20 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
     made = next(i for i, line in enumerate(script) if line.startswith("python -m venv "))
     entered = next(i for i, line in enumerate(script) if line.startswith("source "))
     assert made < entered < len(script) - 1, script
+
+
+def test_the_gpu_example_writes_its_config_and_the_plan_reads_it(tmp_path):
+    """The quick start's GPU block writes its config here too (only its training needs the
+    GPUs), and "Which layout?"'s memory plan runs on that config as printed."""
+    for name in LINKED:
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    gpu = next(b for b in bash_blocks(readme_section("Quick start")) if "torchrun" in b)
+    create, launch = gpu.splitlines()
+    assert run_line(create, str(tmp_path)).strip() == "tmp/smol/config.json"
+    config = load_config(str(tmp_path / "tmp" / "smol" / "config.json"))
+    assert launch == ("torchrun --nproc_per_node 8 train.py --config tmp/smol/config.json")
+    assert config.world_size == 8 and not config.distributed.use_cpu
+    plan = bash_blocks(readme_section("Which layout?"))[0]
+    assert plan.endswith(" tmp/smol/config.json"), plan
+    printed = run_line(plan, str(tmp_path))
+    assert "GiB  per device" in printed, printed

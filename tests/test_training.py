@@ -1,6 +1,6 @@
 """Single-process training on CPU: the learning-rate schedule, a CPU run never touches CUDA,
-a crash still logs every finished step. (That the debug model learns and logs every metric the
-README lists is checked on the README's quick start, tests/test_readme_commands.py.)"""
+a crash still logs every finished step. (That the debug model learns and logs every metric
+docs/outputs.md lists is checked on the README's quick start, tests/test_readme_commands.py.)"""
 import json
 
 import pytest
