@@ -234,12 +234,20 @@ def is_number(token: str) -> bool:
     return True
 
 
+def one_line_error(parser, message: str):
+    """argparse's refusal (exit code 2) in one line, without the usage block before it: the
+    line that says what is wrong is the one a user must not miss."""
+    hint = "" if "--help" in message else "; --help lists every flag"
+    parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")
+
+
 def parse_flags(parser, argv=None):
     """`parser.parse_args(argv)`, but an unknown flag is refused with the flags it most likely
-    meant, as argparse refuses (the usage line, exit code 2). The parser is built with
+    meant, and every refusal is one line (`one_line_error`, exit code 2). The parser is built with
     `allow_abbrev=False`, so an abbreviation is unknown too, and answered the same way.
     Unknown flags are looked for first, with no argument required: `--conf x` would
     otherwise be refused as a missing `--config`, its real cause unsaid."""
+    parser.error = lambda message: one_line_error(parser, message)
     required = [action for action in parser._actions if action.required]
     for action in required:
         action.required = False

@@ -12,6 +12,7 @@ regenerate it and fail when the grid's numbering changes and the committed figur
 import argparse
 from xml.sax.saxutils import escape
 
+from picotron.config.overrides import parse_flags
 from picotron.process_group_manager import AXES, coordinates, group_ranks
 
 BOX_W, BOX_H, GAP, MARGIN, LABEL = 112, 46, 40, 20, 90   # pixels: a rank, between blocks, edges, row labels
@@ -105,7 +106,7 @@ def main(argv=None):
     for axis in ("dp", "tp", "pp", "cp"):
         parser.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size (default 1)")
     parser.add_argument("--out", required=True, help="the SVG file to write")
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, argv)
     if min(args.dp, args.tp, args.pp, args.cp) < 1:
         parser.error("every size must be 1 or more")
     with open(args.out, "w", encoding="utf-8") as f:
