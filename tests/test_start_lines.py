@@ -129,6 +129,17 @@ def test_each_schedule_setting_a_resume_changes_is_said(setting):
     assert schedule_change(saved, config, config.training.total_train_steps) is None  # no step
 
 
+def test_a_schedule_change_with_the_same_next_lr_says_it_once():
+    """In the warm-up a longer run's lr is the same at the next step: the line says the
+    schedule changes and gives that lr once, instead of "would be X ..., is X"."""
+    saved, config = Config(), Config()
+    saved.training.total_train_steps, config.training.total_train_steps = 200, 220
+    assert lr_at(6, saved.training) == lr_at(6, config.training)          # warm-up: 10 steps
+    said = schedule_change(saved, config, 5)
+    assert said == (f"the schedule changes, from the checkpoint's 200 steps to this config's "
+                    f"220 steps; lr at step 6 is {lr_at(6, config.training):.2e} under both")
+
+
 def test_lr_at_reads_only_the_schedule_settings():
     """SCHEDULE_SETTINGS is all lr_at reads: a training section holding only them suffices,
     so a resume that changes anything lr_at depends on is said."""

@@ -103,7 +103,8 @@ WHY = {"training.seed": "the data order follows the seed",
 
 def schedule_change(saved, config, step: int):
     """Words for the resume line when this config's schedule differs from the checkpoint's
-    (`saved`): the lr each would use at the next step, and the settings that differ; None
+    (`saved`): the lr each would use at the next step (once, where they print the same), and
+    the settings that differ; None
     when the schedule is the same, or when no step is left to train."""
     old, new = saved.training, config.training
     if any(getattr(old, k) is None for k in SCHEDULE_SETTINGS):    # a checkpoint without one
@@ -114,9 +115,12 @@ def schedule_change(saved, config, step: int):
 
     def settings(t):          # "200 steps", "220 steps, learning_rate 1.00e-04"
         return ", ".join(SCHEDULE_SETTINGS[k].format(getattr(t, k)) for k in changed)
-    return (f"the schedule changes: lr at step {step + 1} would be {lr_at(step + 1, old):.2e} "
-            f"under the checkpoint's ({settings(old)}), is {lr_at(step + 1, new):.2e} under "
-            f"this config ({settings(new)})")
+    before, after = f"{lr_at(step + 1, old):.2e}", f"{lr_at(step + 1, new):.2e}"
+    if before == after:       # in the warm-up, say: the schedules part later
+        return (f"the schedule changes, from the checkpoint's {settings(old)} to this config's "
+                f"{settings(new)}; lr at step {step + 1} is {after} under both")
+    return (f"the schedule changes: lr at step {step + 1} would be {before} under the "
+            f"checkpoint's ({settings(old)}), is {after} under this config ({settings(new)})")
 
 
 def check_resume(state: dict, saved, config, directory: str, windows, contents=None) -> list:
