@@ -11,6 +11,7 @@ the run's training.seq_length is warned of: the model never saw positions past i
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -83,6 +84,10 @@ def main(argv=None):
         parser.error(f"--device {args.device} needs a CUDA GPU, and none is visible; give cpu")
     if args.device == "cpu":
         set_cpu_threads(1)           # one process: every core this machine lets it use
+        # fp32 weights that training drove near zero can be denormal, which the CPU's
+        # matmuls take a slow path for; read as 0 they change no sample visibly
+        torch.set_flush_denormal(True)
+    started = time.perf_counter()
     try:
         path = checkpoint_to_read(args.checkpoint)       # verified: checksums, manifest
         model, config = load_for_inference(path, args.device)
@@ -96,10 +101,18 @@ def main(argv=None):
     if len(prompt) == 0:         # an empty prompt starts after an end of document
         prompt = torch.tensor([tokenizer.eos_token_id])
     warn_past_trained_windows(len(prompt), args.max_new_tokens, config)
+    print(f"loaded {path} ({sum(p.numel() for p in model.parameters()):,} parameters) in "
+          f"{time.perf_counter() - started:.1f}s; sampling {args.max_new_tokens} tokens on "
+          f"{args.device}", file=sys.stderr)
+    started = time.perf_counter()
     out = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
                  tokenizer.eos_token_id, torch.Generator().manual_seed(args.seed),
                  config.model.max_position_embeddings)
+    new = len(out) - len(prompt)
+    seconds = time.perf_counter() - started
     print(tokenizer.decode(out.tolist()))
+    print(f"{new} tokens in {seconds:.1f}s ({new / max(seconds, 1e-9):.1f} tokens/s)",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":
