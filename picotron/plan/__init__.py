@@ -1,6 +1,7 @@
 """The plan wing: know before you run. What a config needs per rank, in memory, before anything
-is allocated; nothing here is needed to train, except the memory check at set-up. It reads the
-config and the grid; run/, train.py and create_config.py may import it.
+is allocated, and how long its step will take on a given machine; nothing here is needed to
+train, except the memory check at set-up. It reads the config and the grid; run/, train.py
+and create_config.py may import it.
 
 Reading order (each file needs only the ones before it):
     memory_activations.py  what each layer keeps for backward, path by path, with its formula
@@ -9,4 +10,8 @@ Reading order (each file needs only the ones before it):
     memory_plan.py         the memory a config needs per rank, the refusal of one that cannot
                            fit (`python -m picotron.plan.memory_plan CONFIG`), and what a run
                            that ran out anyway says
+    layouts.py             a layout as a table row (dp tp pp cp zero mbs grad_acc ...) and the
+                           project's Config built from it, refused with the config's message
+    hardware.py            hardware profiles as data (hardware/*.json), every number sourced
+    step_time.py           one optimizer step's predicted time, throughput, MFU and memory
 """
