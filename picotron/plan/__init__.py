@@ -14,4 +14,8 @@ Reading order (each file needs only the ones before it):
                            project's Config built from it, refused with the config's message
     hardware.py            hardware profiles as data (hardware/*.json), every number sourced
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
+    search.py              every layout of N GPUs the config accepts, scored and ranked
+    report.py              the search's table of the fastest layouts and its refusals by reason
+    score.py               a prediction for each row of a CSV of layouts
+    __main__.py            `python -m picotron.plan search | score`
 """

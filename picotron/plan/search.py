@@ -230,6 +230,8 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
     for section, key in LAYOUT_KEYS.values():
         raw.setdefault(section, {})[key] = getattr(getattr(Config(), section), key)
     raw["training"]["fp8"] = "none"     # "auto" would ask this machine's GPU; each sets its own
+    if raw["distributed"].get("zero3_keep_params"):     # the base itself must load
+        raw["distributed"]["zero_stage"] = 3
     base = config_from_dict(raw, resolve=False)
     d = base.distributed
     sequences = global_sequences(global_batch_tokens, base.training.seq_length)
