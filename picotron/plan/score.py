@@ -47,7 +47,7 @@ def score_row(row: dict, profile, predict) -> dict:
                 "pred_note": one_line(e)}
     p = predict(config, profile, int(float(row["gpus_per_node"])))
     return {"pred_tok_s_gpu": f"{p.tok_s_gpu:.1f}", "pred_step_s": f"{p.step_s:.6g}",
-            "pred_mem_gib": f"{p.mem_gib:.2f}", "pred_fits": int(p.fits), "pred_note": p.note}
+            "pred_mem_gib": f"{p.mem_gib:.4g}", "pred_fits": int(p.fits), "pred_note": p.note}
 
 
 def score(in_path: str, profile, out_path: str, predict=None) -> int:
