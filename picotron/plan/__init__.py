@@ -13,6 +13,11 @@ Reading order (each file needs only the ones before it):
     layouts.py             a layout as a table row (dp tp pp cp zero mbs grad_acc ...) and the
                            project's Config built from it, refused with the config's message
     hardware.py            hardware profiles as data (hardware/*.json), every number sourced
+    traffic.py             the bytes the passes outside the GEMMs move, kernel by kernel
+    compute_time.py        a layer's and a stage's compute: GEMMs by shape, attention, bytes
+    comm_time.py           each collective's time from its size, algorithm and the links its
+                           group crosses (inside a node or between nodes)
+    pipeline_sim.py        the pipeline's timeline, simulated from the schedules' own orders
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     search.py              every layout of N GPUs the config accepts, scored and ranked
     report.py              the search's table of the fastest layouts and its refusals by reason
