@@ -1,6 +1,7 @@
 """The plan wing: know before you run. What a config needs per rank, in memory, before anything
-is allocated; nothing here is needed to train, except the memory check at set-up. It reads the
-config and the grid; run/, train.py and create_config.py may import it.
+is allocated, and how long its step will take on a given machine; nothing here is needed to
+train, except the memory check at set-up. It reads the config and the grid; run/, train.py
+and create_config.py may import it.
 
 Reading order (each file needs only the ones before it):
     memory_activations.py  what each layer keeps for backward, path by path, with its formula
@@ -11,4 +12,17 @@ Reading order (each file needs only the ones before it):
                            that ran out anyway says
     grid_figure.py         the grid as a picture: every rank's coordinates and every group
                            (`python -m picotron.plan.grid_figure --dp 4 --tp 2 --pp 2 --out F`)
+    layouts.py             a layout as a table row (dp tp pp cp zero mbs grad_acc ...) and the
+                           project's Config built from it, refused with the config's message
+    hardware.py            hardware profiles as data (hardware/*.json), every number sourced
+    traffic.py             the bytes the passes outside the GEMMs move, kernel by kernel
+    compute_time.py        a layer's and a stage's compute: GEMMs by shape, attention, bytes
+    comm_time.py           each collective's time from its size, algorithm and the links its
+                           group crosses (inside a node or between nodes)
+    pipeline_sim.py        the pipeline's timeline, simulated from the schedules' own orders
+    step_time.py           one optimizer step's predicted time, throughput, MFU and memory
+    search.py              every layout of N GPUs the config accepts, scored and ranked
+    report.py              the search's table of the fastest layouts and its refusals by reason
+    score.py               a prediction for each row of a CSV of layouts
+    __main__.py            `python -m picotron.plan search | score`
 """

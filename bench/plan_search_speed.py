@@ -1,0 +1,50 @@
+"""How long `python -m picotron.plan search` takes over every layout of N GPUs: the layouts
+judged by the config, the ones scored by step_time.predict, and the seconds each part took.
+
+    python bench/plan_search_speed.py [--model_name Llama-3-8B] [--gpus 512] [--seq_len 4096]
+        [--global_batch_tokens 1048576] [--hardware playbook-h100]
+
+The goal is under 10 s for 512 GPUs on a 2-core CPU; bench/NOTES.md has the measured times.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from picotron.plan.hardware import load_profile
+from picotron.plan.search import search, search_raw
+from picotron.plan.step_time import predict
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name", default="Llama-3-8B", help="the model (default: Llama-3-8B)")
+    p.add_argument("--gpus", type=int, default=512, help="GPUs in all (default: 512)")
+    p.add_argument("--seq_len", type=int, default=4096, help="tokens a sequence (default: 4096)")
+    p.add_argument("--global_batch_tokens", type=int, default=2 ** 20,
+                   help="tokens a step (default: 1048576)")
+    p.add_argument("--hardware", default="playbook-h100", help="profile (default: playbook-h100)")
+    args = p.parse_args()
+    profile = load_profile(args.hardware)
+    spent = {"predict": 0.0, "calls": 0}
+
+    def timed_predict(config, profile, gpus_per_node):
+        start = time.perf_counter()
+        try:
+            return predict(config, profile, gpus_per_node)
+        finally:
+            spent["predict"] += time.perf_counter() - start
+            spent["calls"] += 1
+    raw = search_raw(args.model_name, args.seq_len)
+    result = search(raw, args.gpus, args.global_batch_tokens, profile, predict=timed_predict)
+    print(f"{args.model_name}, {args.gpus} GPUs, seq {args.seq_len}, "
+          f"{args.global_batch_tokens:,} tokens: {result.considered:,} layouts judged, "
+          f"{spent['calls']:,} scored, {len(result.ranked):,} fit; {result.seconds:.1f} s in all, "
+          f"{spent['predict']:.1f} s of it in predict "
+          f"({1e3 * spent['predict'] / max(1, spent['calls']):.2f} ms a layout)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""`python -m picotron.plan search | score`: which layout for N GPUs, before running.
+
+    search   --model_name NAME --gpus N [--gpus_per_node 8] --seq_len T
+             --global_batch_tokens B --hardware PROFILE: every layout the config accepts,
+             scored; the fastest ten, then the refused ones counted by reason
+    score    --layouts IN.csv --hardware PROFILE --out OUT.csv: a prediction per row
+
+Bad input (a model that is not found, an unknown profile, a CSV without some columns, a row
+that is not a layout) ends in one line naming the fix, with exit code 2.
+"""
+import argparse
+import sys
+
+from picotron.config.overrides import parse_flags
+from picotron.errors import ConfigError
+
+DEFAULT_PROFILE = "playbook-h100"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m picotron.plan", description=__doc__,
+                                allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", required=True, metavar="search|score")
+    hardware = {"default": DEFAULT_PROFILE,
+                "help": f"the hardware profile, a file of picotron/plan/hardware/ (h200, "
+                        f"playbook-h100; default: {DEFAULT_PROFILE})"}
+    s = commands.add_parser("search", allow_abbrev=False, help="rank every layout of N GPUs")
+    s.add_argument("--model_name", required=True,
+                   help="a preset in configs/presets, a local Hugging Face model directory or "
+                        "a hub id, as create_config.py takes it")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs in all (dp*tp*pp*cp)")
+    s.add_argument("--gpus_per_node", type=int, default=8,
+                   help="GPUs per node: groups wider than it cross the slower links "
+                        "(default: 8)")
+    s.add_argument("--seq_len", type=int, required=True, help="tokens per sequence")
+    s.add_argument("--global_batch_tokens", type=int, required=True,
+                   help="tokens per optimizer step, over every micro-batch and replica")
+    s.add_argument("--hardware", **hardware)
+    s.add_argument("--top", type=int, default=10, help="layouts shown (default: 10)")
+    s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="set any other config key for every layout, as create_config.py's "
+                        "--set (e.g. distributed.sequence_parallel=true)")
+    c = commands.add_parser("score", allow_abbrev=False, help="predict a table of layouts")
+    c.add_argument("--layouts", required=True, help="IN.csv, a layout per row")
+    c.add_argument("--hardware", **hardware)
+    c.add_argument("--out", required=True, help="OUT.csv: IN.csv plus the predictions")
+    return p
+
+
+def run_search(args) -> None:
+    from picotron.plan.hardware import load_profile
+    from picotron.plan.report import search_report
+    from picotron.plan.search import search, search_raw
+    profile = load_profile(args.hardware)
+    raw = search_raw(args.model_name, args.seq_len, args.set)
+    result = search(raw, args.gpus, args.global_batch_tokens, profile, args.gpus_per_node)
+    print(f"{args.model_name} on {args.gpus} GPUs ({args.gpus_per_node} per node, profile "
+          f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step")
+    print(search_report(result, args.top))
+
+
+def run_score(args) -> None:
+    from picotron.plan.hardware import load_profile
+    from picotron.plan.score import score
+    n = score(args.layouts, load_profile(args.hardware), args.out)
+    print(f"wrote {args.out}: {n} rows scored")
+
+
+def main(argv=None) -> None:
+    args = parse_flags(build_parser(), argv)
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_tokens", "top"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            print(f"error: --{name} must be at least 1, got {value}", file=sys.stderr)
+            sys.exit(2)
+    try:
+        {"search": run_search, "score": run_score}[args.command](args)
+    except (ConfigError, ValueError) as e:     # an unknown profile is a ValueError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

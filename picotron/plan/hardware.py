@@ -1,0 +1,98 @@
+"""Hardware profiles as data: one JSON file per machine type in picotron/plan/hardware/, every
+number beside its source (a datasheet, a measurement in bench/NOTES.md, or a fit by
+bench/planner_fit.py), and the traits of the trainer whose runs it was fit to.
+
+    {"name": "h200", "about": "...",
+     "numbers": {"peak_bf16_flops": {"value": 989.5e12, "source": "datasheet: ..."}, ...},
+     "traits": {"trainer": "picotron", "rank_order": ["dp", "pp", "cp", "tp"], ...}}
+
+The numbers every profile gives (NUMBERS) are what step_time.py's model reads: the GPU's
+peaks and how much of them a kernel of a given shape reaches, the links' bandwidths and
+latencies inside a node and between nodes, and the host's time per kernel launch.
+"""
+import dataclasses
+import json
+import os
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
+
+NUMBERS = {
+    "memory_gib": "GPU memory as torch reports it (GiB); the plan uses it less GPU_RESERVED",
+    "peak_bf16_flops": "dense bf16 tensor-core peak, FLOP/s",
+    "peak_fp8_flops": "dense FP8 tensor-core peak, FLOP/s",
+    "gemm_eff": "share of the peak a large GEMM reaches",
+    "gemm_half_dim": "a GEMM dimension at which its efficiency halves (skinny GEMMs are slow)",
+    "fp8_gemm_eff": "share of the FP8 peak a large FP8 GEMM reaches",
+    "attn_eff": "share of the bf16 peak attention reaches at long sequences",
+    "attn_half_seq": "the sequence length at which attention's efficiency halves",
+    "hbm_bytes_per_s": "HBM bandwidth a bandwidth-bound kernel reaches, B/s",
+    "non_gemm_factor": "time of the passes outside GEMMs and attention over their bytes' floor",
+    "launch_s": "host time per layer per pass (kernel launches, Python), overlapped by GPU work",
+    "intra_bytes_per_s": "a collective's bus bandwidth inside a node, per GPU, B/s",
+    "intra_latency_s": "latency of one step of a collective inside a node, s",
+    "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
+    "inter_latency_s": "latency of one step of a collective between nodes, s",
+    "tp_exposed": "share of tensor-parallel communication left on the critical path",
+}
+TRAITS = {
+    "trainer": "whose runs the numbers describe (picotron, nanotron)",
+    "rank_order": "the grid's axes, outermost first (tp innermost: its group shares a node)",
+    "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
+    "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
+}
+
+
+class UnknownProfile(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    about: str
+    numbers: dict          # name -> value
+    sources: dict          # name -> where the value comes from
+    traits: dict
+
+    def __getitem__(self, key):
+        return self.numbers[key]
+
+    def with_numbers(self, **changes) -> "Profile":
+        """The same profile with some numbers changed (a fit's trial values)."""
+        unknown = [k for k in changes if k not in self.numbers]
+        if unknown:
+            raise KeyError(f"not numbers of profile {self.name}: {unknown}")
+        return dataclasses.replace(self, numbers={**self.numbers, **changes})
+
+
+def known_profiles() -> list:
+    return sorted(f[:-5] for f in os.listdir(HERE) if f.endswith(".json"))
+
+
+def load_profile(name: str) -> Profile:
+    """The profile picotron/plan/hardware/NAME.json; a ValueError lists the known ones for
+    an unknown name, and names what is missing from a file without every number."""
+    path = os.path.join(HERE, f"{name}.json")
+    if os.sep in name or "/" in name or not os.path.isfile(path):
+        raise UnknownProfile(f"unknown hardware profile '{name}'; known profiles: "
+                             f"{', '.join(known_profiles())}")
+    with open(path) as f:
+        data = json.load(f)
+    numbers = {k: float(v["value"]) for k, v in data["numbers"].items()}
+    missing = [k for k in NUMBERS if k not in numbers]
+    unsourced = [k for k, v in data["numbers"].items() if not v.get("source")]
+    if missing or unsourced:
+        raise ValueError(f"hardware profile {path}: missing numbers {missing}, numbers "
+                         f"without a source {unsourced}")
+    return Profile(name, data.get("about", ""), numbers,
+                   {k: v["source"] for k, v in data["numbers"].items()}, data.get("traits", {}))
+
+
+def describe(profile: Profile) -> str:
+    """Every number of the profile with what it means and its source."""
+    lines = [f"{profile.name}: {profile.about}"]
+    for key, value in profile.numbers.items():
+        lines.append(f"  {key:18s} {value:<12.6g} {NUMBERS.get(key, '')}"
+                     f"\n  {'':18s} source: {profile.sources[key]}")
+    lines += [f"  trait {k}: {v}" for k, v in profile.traits.items()]
+    return "\n".join(lines)

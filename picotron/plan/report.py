@@ -1,0 +1,70 @@
+"""What `python -m picotron.plan search` prints: the fastest layouts as a table, each step split
+into compute, exposed communication per axis and pipeline idle, then the refusals counted by
+reason; and the one-line name of a layout that create_config.py's --auto_layout prints.
+"""
+
+# the step's parts the table shows, by the names step_time.Prediction.parts gives them
+PARTS = ("compute", "dp", "tp", "pp", "cp", "pipeline_idle")
+HEADER = ("#", "layout", "mbs x acc", "zero", "recompute", "fp8", "tok/s/GPU", "MFU",
+          "GiB/GPU", "step s", "compute", "dp", "tp", "pp", "cp", "idle")
+
+
+def layout_name(layout: dict) -> str:
+    """'dp8 tp2 pp4 cp1' plus the engine where pp > 1 and the cp_mode where cp > 1."""
+    name = " ".join(f"{axis}{layout[axis]}" for axis in ("dp", "tp", "pp", "cp"))
+    if layout["pp"] > 1:
+        engine = layout["pp_engine"]
+        name += f" {engine}" + (f":{layout['interleave']}" if engine == "interleaved" else "")
+    if layout["cp"] > 1:
+        name += f" {layout['cp_mode']}"
+    return name
+
+
+def describe(layout: dict) -> str:
+    """The whole layout in one line, as create_config.py's flags would give it."""
+    return (f"{layout_name(layout)}, mbs {layout['mbs']} x grad_acc {layout['grad_acc']}, "
+            f"ZeRO-{layout['zero']}, recompute {layout['recompute']}, fp8 {layout['fp8']}")
+
+
+def row(rank: int, scored) -> tuple:
+    layout, p = scored.layout, scored.prediction
+    parts = [p.parts.get(name, 0.0) for name in PARTS]
+    return ((str(rank), layout_name(layout), f"{layout['mbs']} x {layout['grad_acc']}",
+             str(layout["zero"]), layout["recompute"], layout["fp8"], f"{p.tok_s_gpu:,.0f}",
+             f"{100 * p.mfu:.1f}%", f"{p.mem_gib:.1f}", f"{p.step_s:.3f}")
+            + tuple(f"{1e3 * s:,.0f}ms" if s else "-" for s in parts))
+
+
+def table(rows: list) -> str:
+    """Columns padded to their widest cell, the first two left-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in rows)
+
+
+def search_report(result, top: int = 10) -> str:
+    """The top `top` layouts, then what was refused and why (each reason with its first
+    message), then how long the search took."""
+    lines = []
+    fits = len(result.ranked)
+    refused = sum(result.refused.values())
+    if result.ranked:
+        lines.append(table([HEADER] + [row(i + 1, s)
+                                       for i, s in enumerate(result.ranked[:top])]))
+        lines.append("(step parts: compute, exposed communication of each axis, pipeline idle)")
+    else:
+        lines.append("no layout fits")
+    lines.append(f"\n{fits:,} layouts fit; {refused:,} refused:")
+    for key, count in result.refused.most_common():
+        lines.append(f"  {count:>9,}  {result.examples[key]}")
+    lines.append(f"({result.considered:,} layouts judged in {result.seconds:.1f} s)")
+    return "\n".join(lines)
+
+
+def runner_up_line(best, second) -> str:
+    """How much the runner-up loses to the best, in tok/s/GPU."""
+    a, b = best.prediction.tok_s_gpu, second.prediction.tok_s_gpu
+    loss = 100 * (1 - b / a) if a else 0.0
+    return (f"runner-up: {describe(second.layout)}: {b:,.0f} tok/s/GPU, {loss:.1f}% slower "
+            f"than the best ({a:,.0f})")

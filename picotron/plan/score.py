@@ -1,0 +1,70 @@
+"""`python -m picotron.plan score --layouts IN.csv --hardware P --out OUT.csv`: the step-time
+model's prediction for every row of a table of layouts. OUT.csv is IN.csv with every column
+kept, in its order, plus the predictions (PRED_COLUMNS); a row the config refuses gets
+pred_fits 0 and the config's reason in pred_note.
+
+IN.csv's columns: layouts.LAYOUT_COLUMNS, optionally layouts.OPTIONAL_COLUMNS and any
+`section.key` column (layouts.py says how each is read). A file without some of the columns,
+or a row that is not a layout (a size that is not a number), ends in one line naming them.
+"""
+import csv
+
+from picotron.errors import ConfigError
+from picotron.plan.layouts import LAYOUT_COLUMNS, config_for
+
+PRED_COLUMNS = ("pred_tok_s_gpu", "pred_step_s", "pred_mem_gib", "pred_fits", "pred_note")
+
+
+def one_line(message: str) -> str:
+    """The config's message ('invalid config:\\n  - a\\n  - b') as one CSV cell: 'a; b'."""
+    lines = [line.strip().removeprefix("- ") for line in str(message).splitlines()]
+    return "; ".join(line for line in lines if line and line != "invalid config:")
+
+
+def read_layouts(path: str) -> tuple:
+    """(columns, rows) of IN.csv; a ConfigError names every missing column."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            columns = list(reader.fieldnames or [])
+            rows = list(reader)
+    except OSError as e:
+        raise ConfigError(f"cannot read --layouts '{path}': {e.strerror}; give a CSV file "
+                          f"with the columns {' '.join(LAYOUT_COLUMNS)}") from None
+    missing = [c for c in LAYOUT_COLUMNS if c not in columns]
+    if missing:
+        raise ConfigError(f"--layouts {path} has no column {', '.join(missing)}; a layout "
+                          f"table needs every one of: {' '.join(LAYOUT_COLUMNS)}")
+    return columns, rows
+
+
+def score_row(row: dict, profile, predict) -> dict:
+    """The prediction columns of one row; a ConfigError ends in one line (row not a layout)."""
+    try:
+        config = config_for(row)
+    except ConfigError as e:         # a layout the config refuses: its reason, unchanged
+        return {"pred_tok_s_gpu": "", "pred_step_s": "", "pred_mem_gib": "", "pred_fits": 0,
+                "pred_note": one_line(e)}
+    p = predict(config, profile, int(float(row["gpus_per_node"])))
+    return {"pred_tok_s_gpu": f"{p.tok_s_gpu:.1f}", "pred_step_s": f"{p.step_s:.6g}",
+            "pred_mem_gib": f"{p.mem_gib:.4g}", "pred_fits": int(p.fits), "pred_note": p.note}
+
+
+def score(in_path: str, profile, out_path: str, predict=None) -> int:
+    """Write OUT.csv; return the number of rows scored."""
+    if predict is None:
+        from picotron.plan.step_time import predict
+    columns, rows = read_layouts(in_path)
+    scored = []
+    for number, row in enumerate(rows, start=2):          # line 1 is the header
+        try:
+            scored.append({**row, **score_row(row, profile, predict)})
+        except ValueError as e:
+            raise ConfigError(f"--layouts {in_path} line {number} is not a layout: {e}; fix "
+                              f"that cell") from None
+    out_columns = columns + [c for c in PRED_COLUMNS if c not in columns]
+    with open(out_path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=out_columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(scored)
+    return len(scored)

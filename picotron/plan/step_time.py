@@ -1,0 +1,193 @@
+"""The time of one optimizer step of a layout, predicted from the config and a hardware
+profile (picotron/plan/hardware/): its throughput, its MFU, its memory (the memory plan's
+estimate) and the step's time split into compute, exposed communication per axis and
+pipeline idle.
+
+    predict(config, profile, gpus_per_node) -> Prediction
+
+How a step is put together, following this project's implementation:
+1. One micro-batch through one layer on one rank (compute_time.py), plus what of its
+   collectives is not hidden (comm_time.py): tensor parallelism's all-reduces (or, under
+   sequence parallelism, all-gathers and reduce-scatters) block, but for the profile's
+   `tp_exposed` share (a trainer that overlaps some) or, with tp_comm_overlap, for the GEMM
+   time that hides their ring; ring attention's K/V pass beside each block's attention;
+   ZeRO-3's layer gathers are prefetched behind the previous layer's compute.
+2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
+   the head and loss on the last; the host's launches bound a layer's pass from below.
+3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
+4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
+   that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
+   block by block in the next forward where the trainer overlaps it; the optimizer's passes.
+"""
+import dataclasses
+from collections.abc import Sequence
+
+from picotron.pipeline_parallel.stage import stage_layers
+from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
+from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
+from picotron.plan.memory_plan import GPU_RESERVED, estimate
+from picotron.plan.memory_state import GiB, layer_params, rank_params
+from picotron.plan.pipeline_sim import simulate
+from picotron.utils import flops_per_token
+
+PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
+
+
+@dataclasses.dataclass
+class Prediction:
+    step_s: float            # one optimizer step, seconds
+    tok_s_gpu: float         # tokens per second per GPU
+    mfu: float               # model FLOPs (6N + 12*L*C*T a token) over the GPUs' bf16 peak
+    mem_gib: float           # the memory plan's per-device estimate
+    fits: bool               # the estimate fits the profile's GPU (less GPU_RESERVED)
+    note: str                # why it does not fit; '' when it fits
+    parts: dict              # seconds of the step on its busiest rank, by PARTS
+    timeline: Sequence       # (pp_rank, kind, micro, chunk, start_s, end_s), kind in
+                             # F, B, send, comm, idle; built when first read
+
+
+def memory_fit(config, profile):
+    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU."""
+    need = estimate(config).device_bytes
+    usable = profile["memory_gib"] * GiB - GPU_RESERVED
+    if need <= usable:
+        return need / GiB, True, ""
+    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
+                               f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
+
+
+def layer_pass(config, profile, links, groups):
+    """(forward, backward) seconds of one layer, one micro-batch, one rank, and the
+    exposed tp, cp and ZeRO-3 communication inside each (dicts)."""
+    d = config.distributed
+    lt = layer_time(config, profile)
+    tokens = config.training.micro_batch_size * config.training.seq_length // d.cp_size
+    tp = tp_layer_s(config, links, groups["tp"], tokens)
+    if d.tp_comm_overlap:
+        tp_f, tp_b = max(0.0, tp - lt.gemm_f), max(0.0, tp - lt.gemm_b)
+    else:
+        tp_f = tp_b = tp * profile["tp_exposed"]
+    cp_f, cp_b = cp_layer_s(config, links, groups["cp"], tokens)
+    if d.cp_mode == "ring":               # each of the cp-1 steps beside a block's attention
+        share = (d.cp_size - 1) / d.cp_size
+        cp_f, cp_b = max(0.0, cp_f - lt.attn_f * share), max(0.0, cp_b - lt.attn_b * share)
+    compute_f = lt.gemm_f + lt.attn_f + lt.other_f
+    compute_b = lt.gemm_b + lt.attn_b + lt.other_b
+    z3_f = z3_b = 0.0
+    if d.zero_stage == 3:                 # gathered ahead, behind the previous layer's work
+        shard = layer_params(config.model, d.tp_size) * BF16
+        gather = links.all_gather(shard, groups["cp_dp"])
+        scatter = links.all_gather(shard * 2, groups["cp_dp"])      # fp32 gradients
+        z3_f = max(0.0, gather - compute_f)
+        again = 0.0 if d.zero3_keep_params else gather
+        z3_b = max(0.0, again + scatter - compute_b)
+    exposed_f = {"compute": compute_f, "tp": tp_f, "cp": cp_f, "dp": z3_f}
+    exposed_b = {"compute": compute_b, "tp": tp_b, "cp": cp_b, "dp": z3_b}
+    launch = profile["launch_s"]
+    return (max(sum(exposed_f.values()), launch), max(sum(exposed_b.values()), 2 * launch),
+            exposed_f, exposed_b)
+
+
+def stage_times(config, profile, layer_f, layer_b):
+    """forward_s[s], backward_s[s] of every virtual stage for one micro-batch."""
+    d = config.distributed
+    v = d.pp_virtual_stages if d.pp_engine == "interleaved" and d.pp_size > 1 else 1
+    layers = stage_layers(config.model.num_hidden_layers, d.pp_size * v)
+    ends = ends_time(config, profile)
+    forward, backward = [], []
+    for s, held in enumerate(layers):
+        f = len(held) * layer_f + ends["micro"][0]
+        b = len(held) * layer_b + ends["micro"][1]
+        for end, on in (("embed", s == 0), ("head", s == len(layers) - 1)):
+            if on:
+                f, b = f + ends[end][0], b + ends[end][1]
+        forward.append(f)
+        backward.append(b)
+    return forward, backward, v
+
+
+def after_backward(config, profile, links, groups, pp_rank, last_backward, first_forward):
+    """(dp exposed, optimizer) seconds of one pipeline rank at the step's end."""
+    d = config.distributed
+    params = rank_params(config, pp_rank).total
+    wire = 4 if d.grad_reduce_dtype == "float32" else 2
+    shape = groups["cp_dp"]
+    if d.zero_stage == 0:
+        reduce, gather = links.all_reduce(params * wire, shape), 0.0
+    elif d.zero_stage in (1, 2):
+        reduce, gather = links.all_gather(params * wire, shape), links.all_gather(
+            params * BF16, shape)
+    else:                                 # ZeRO-3: the layers' part is inside their passes
+        root = rank_params(config, pp_rank).root
+        reduce, gather = links.all_gather(root * wire, shape), 0.0
+    if d.overlap_grad_reduce:
+        bucket = links.all_reduce(min(params * wire, d.bucket_size_mb * 2 ** 20), shape)
+        reduce = max(min(bucket, reduce), reduce - last_backward)
+    if gather and d.overlap_param_gather and profile.traits.get("zero1_gather_overlap"):
+        gather = max(0.0, gather - first_forward)
+    return reduce + gather, optimizer_s(config, profile, params)
+
+
+class _Joined(Sequence):
+    """Two sequences read as one, the first built only when read."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __len__(self):
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.first)
+        if i < 0:
+            i += len(self)
+        return self.first[i] if i < n else self.second[i - n]
+
+
+def predict(config, profile, gpus_per_node: int) -> Prediction:
+    """The predicted step of `config` (a Config the config's checks accepted) on `profile`'s
+    machines with `gpus_per_node` GPUs a node (module docstring)."""
+    d, t = config.distributed, config.training
+    links = Links(profile)
+    groups = layout_groups(config, profile, gpus_per_node)
+    layer_f, layer_b, part_f, part_b = layer_pass(config, profile, links, groups)
+    forward, backward, v = stage_times(config, profile, layer_f, layer_b)
+    micro = t.gradient_accumulation_steps
+    send = 0.0
+    if d.pp_size > 1:
+        tokens = t.micro_batch_size * t.seq_length // d.cp_size
+        act = tokens * config.model.hidden_size * BF16
+        act /= d.tp_size if d.sequence_parallel else 1
+        send = links.send(act, across_nodes=groups["pp"][2] > 1)
+    sim = simulate(d.pp_engine if d.pp_size > 1 else "1f1b", d.pp_size, micro, v, forward,
+                   backward, send, profile.traits.get("pp_mode", "async"))
+    tails, comm_events = [], []
+    for r in range(d.pp_size):
+        chunks = range(r, d.pp_size * v, d.pp_size)
+        dp, opt = after_backward(config, profile, links, groups, r,
+                                 sum(backward[s] for s in chunks),
+                                 sum(forward[s] for s in chunks))
+        tails.append((dp, opt))
+        comm_events += [(r, "comm", -1, -1, sim.makespan_s, sim.makespan_s + dp),
+                        (r, "comm", -1, -1, sim.makespan_s + dp, sim.makespan_s + dp + opt)]
+    tail = max(range(d.pp_size), key=lambda r: sum(tails[r]))
+    step = sim.makespan_s + sum(tails[tail])
+    busiest = max(range(d.pp_size), key=lambda r: sim.busy_s[r])
+    layers_on = len(stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest])
+    parts = {k: 0.0 for k in PARTS}
+    for key in ("tp", "cp", "dp"):
+        parts[key] = micro * v * layers_on * (part_f[key] + part_b[key])
+    parts["compute"] = sim.busy_s[busiest] - parts["tp"] - parts["cp"] - parts["dp"]
+    idle = sim.makespan_s - sim.busy_s[busiest]
+    parts["pp"] = min(idle, 2 * (d.pp_size - 1) * send)
+    parts["pipeline_idle"] = idle - parts["pp"]
+    parts["dp"] += tails[tail][0]
+    parts["optimizer"] = tails[tail][1]
+    mem, fits, note = memory_fit(config, profile)
+    tok = config.global_batch_size * t.seq_length / step / config.world_size
+    mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
+    return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
+                      {k: float(v) for k, v in parts.items()},
+                      _Joined(sim.timeline, comm_events))

@@ -1,0 +1,89 @@
+"""`python -m picotron.plan search | score` (picotron/plan/__main__.py): score keeps every CSV
+column and gives a refused row the config's reason; bad input ends in one line naming the fix
+(missing columns all named, a row that is not a layout, an unknown profile, a model not found)."""
+import csv
+
+import pytest
+
+from picotron.errors import ConfigError
+from picotron.plan.__main__ import main
+from picotron.plan.layouts import LAYOUT_COLUMNS, config_for
+from picotron.plan.score import PRED_COLUMNS
+
+ROW = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
+       "tied": 0, "seq": 64, "gpus": 4, "gpus_per_node": 8, "dp": 2, "tp": 2, "pp": 1, "cp": 1,
+       "zero": 1, "mbs": 2, "grad_acc": 1}
+
+
+def write_csv(path, rows, columns=None):
+    columns = columns or list(rows[0])
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def one_error_line(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_score_keeps_every_column_and_refused_rows_carry_the_configs_reason(tmp_path, capsys):
+    refused = {**ROW, "tp": 3, "dp": 1, "gpus": 3, "note": "three"}     # 4 heads over tp 3
+    rows = [{**ROW, "note": "first", "recompute": "full"}, refused]
+    write_csv(tmp_path / "in.csv", rows, ["note"] + LAYOUT_COLUMNS + ["recompute"])
+    main(["score", "--layouts", str(tmp_path / "in.csv"), "--hardware", "h200",
+          "--out", str(tmp_path / "out.csv")])
+    with open(tmp_path / "out.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        out = list(reader)
+    assert reader.fieldnames == ["note"] + LAYOUT_COLUMNS + ["recompute"] + list(PRED_COLUMNS)
+    assert [r["note"] for r in out] == ["first", "three"]
+    assert out[0]["recompute"] == "full" and out[0]["pred_fits"] == "1"
+    assert float(out[0]["pred_tok_s_gpu"]) > 0 and float(out[0]["pred_mem_gib"]) > 0
+    assert out[1]["pred_fits"] == "0" and out[1]["pred_tok_s_gpu"] == ""
+    with pytest.raises(ConfigError) as error:
+        config_for(refused)
+    assert "num_attention_heads=4 is not divisible by tp_size=3" in out[1]["pred_note"]
+    every = [line.strip()[2:] for line in str(error.value).splitlines()[1:]]
+    assert out[1]["pred_note"] == "; ".join(every) and len(every) == 3
+
+
+def test_a_csv_missing_columns_names_them_all(tmp_path, capsys):
+    columns = [c for c in LAYOUT_COLUMNS if c not in ("tp", "grad_acc")]
+    write_csv(tmp_path / "in.csv", [ROW], columns)
+    err = one_error_line(capsys, ["score", "--layouts", str(tmp_path / "in.csv"),
+                                  "--out", str(tmp_path / "out.csv")])
+    assert "tp, grad_acc" in err and not (tmp_path / "out.csv").exists()
+
+
+def test_a_row_that_is_not_a_layout(tmp_path, capsys):
+    write_csv(tmp_path / "in.csv", [ROW, {**ROW, "mbs": "two"}])
+    err = one_error_line(capsys, ["score", "--layouts", str(tmp_path / "in.csv"),
+                                  "--out", str(tmp_path / "out.csv")])
+    assert "line 3 is not a layout" in err and "'mbs'" in err
+
+
+def test_an_unknown_profile_lists_the_known_ones(tmp_path, capsys):
+    write_csv(tmp_path / "in.csv", [ROW])
+    err = one_error_line(capsys, ["score", "--layouts", str(tmp_path / "in.csv"),
+                                  "--hardware", "h900", "--out", str(tmp_path / "o.csv")])
+    assert "h900" in err and "h200" in err and "playbook-h100" in err
+
+
+def test_a_model_name_not_found(capsys):
+    err = one_error_line(capsys, ["search", "--model_name", "smollm-135m", "--gpus", "2",
+                                  "--seq_len", "64", "--global_batch_tokens", "256"])
+    assert "did you mean 'SmolLM-135M'" in err
+
+
+def test_search_prints_the_table_and_the_refusals(capsys):
+    main(["search", "--model_name", "debug", "--gpus", "4", "--seq_len", "64",
+          "--global_batch_tokens", "512", "--hardware", "h200", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "tok/s/GPU" in out and "\n1 " in out and "\n3 " in out and "\n4 " not in out
+    assert "layouts fit;" in out and "refused" in out
