@@ -30,7 +30,7 @@ from picotron.loss import build_loss
 from picotron.plan.memory_plan import check_memory
 from picotron.run.metrics_log import MetricsLog, import_loggers
 from picotron.model import Decoder, materialize
-from picotron.run.output_paths import check_output_dirs
+from picotron.run.run_lock import claim_run_dir
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes
 from picotron.run.report import (StartupPhases, config_read, data_warning, describe_run,
@@ -197,13 +197,13 @@ def main(argv=None):
     t = config.training
     set_seed(t.seed)
     run_dir = config.logging.run_dir or os.path.dirname(os.path.abspath(args.config))
-    check_output_dirs(config, run_dir)     # a folder that cannot be written: refused now
+    run_lock = claim_run_dir(config, run_dir)   # unwritable, or another run's: refused now
     if not config.checkpoint.load_path:    # and a new run over an earlier one's outputs
         check_new_run(run_dir, save_root(config, run_dir))
     import_loggers(config)                 # and a logger whose package is missing
     is_logger = (pgm.pp_is_last_stage and pgm.dp_rank == 0 and pgm.cp_rank == 0
                  and pgm.tp_rank == 0)      # holds the loss; everyone else stays quiet
-    watchdog = Watchdog(config, is_logger)  # dead or frozen ranks, a dead launcher, signals
+    watchdog = Watchdog(config, is_logger, run_lock)  # dead or frozen ranks, signals, ...
     watchdog.start()
     if is_logger:
         print(describe_run(config, pgm, device, run_dir, args.set), flush=True)

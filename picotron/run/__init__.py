@@ -4,11 +4,14 @@ sampling from the result. (Whether a config fits in memory is the plan wing's qu
 
 Reading order (each file needs only the ones before it):
     output_paths.py        the folders and files a run writes, checked before anything is built
+    run_lock.py            one run at a time in a run folder: its lock, on shared filesystems too
     metrics_log.py         metrics.jsonl, and the loggers beside it (W&B, TensorBoard)
     divergence.py          the rule that stops a run whose loss has left its best far behind
     step_log.py            one record per optimizer step, logged one step behind; progress
     launcher.py            what a worker shares with torchrun: its store and its error file
     stop_signals.py        SIGTERM and Ctrl-C, heard even while the training thread is blocked
+    peers.py               the other ranks on this machine, and which of them is gone
+    heartbeats.py          a frozen rank told from a slow one, within a stated bound
     watchdog.py            a dead or frozen rank, a dead launcher, a stop all ranks agree on,
                            a GPU out of memory
     report.py              a run's first and last lines, the launch record, an error said once

@@ -18,11 +18,14 @@ Every `TICK_S` it:
 - checks that this process's parent is still the launcher that started it.
 It beats (a counter and its step, under its rank, in the launcher's store) at each new step
 and every `heartbeat_s / 4`, when it also reads everyone else's beat. A beat unchanged for
-`heartbeat_s` is a dead or frozen rank, on any machine. Detection takes at most heartbeat_s
-plus one interval, so heartbeat_s defaults to min(60, timeout_s / 2) and is refused at
-timeout_s / 1.25 or above (picotron/config/checks.py): a frozen rank is named before its
-peers' collectives time out.
-A store that stops answering is a launcher gone.
+`heartbeat_s` is a dead or frozen rank, on any machine (picotron/run/heartbeats.py: named
+within heartbeat_s of freezing, plus a loaded machine's delay, inside the stated bound
+heartbeat_s + heartbeat_s / 4), so heartbeat_s defaults to min(60, timeout_s / 2) and is
+refused at timeout_s / 1.25 or above (picotron/config/checks.py): a frozen rank is named
+before its peers' collectives time out. It also renews the run folder's lock
+(picotron/run/run_lock.py), and releases it at the end.
+A store that stops answering is the launcher gone, or, without torchrun, rank 0, which then
+hosts the store.
 
 Stops every rank agrees on (a signal, a diverged loss) go through the store: the first rank to
 ask publishes the step all stop after, two ahead of its own (a rank can be one step ahead of
@@ -41,25 +44,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from picotron.checkpoint.verify import latest_written
 from picotron.config.checks import heartbeat_seconds
+from picotron.run.heartbeats import Heartbeats
 from picotron.run.launcher import launcher_store, tell_launcher
+from picotron.run.peers import (BEAT_KEY, DONE_KEY, PROCESS_KEY, STOP_KEY, STOPS_TOO,
+                                LocalPeers, is_peer_failure)
 from picotron.plan.memory_plan import out_of_memory_message
 from picotron.run.stop_signals import AT_ONCE_AFTER_S, NAMES, StopSignals
 from picotron.utils import process_gone
 
-STOP_KEY, BEAT_KEY, PROCESS_KEY, DONE_KEY = "stop", "heartbeat/", "process/", "done/"
-TICK_S = 0.5
 RESUME = "resume with --set checkpoint.load_path=latest"
 _running = None             # this process's started, not yet closed, Watchdog
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """A collective that failed because a peer is gone (gloo raises RuntimeError, naming its
-    transport; NCCL and the store raise torch's DistError)."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and any(
-        s in text for s in ("gloo/transport", "Connection closed by peer",
-                            "Connection reset by peer", "Broken pipe"))
 
 
 class _Closed(Exception):
@@ -84,21 +80,34 @@ class Watchdog:
     the end watchdog.close(); a collective that failed: watchdog.collective_failed(error)."""
     runs = 0                                # Watchdogs made in this process so far
 
-    def __init__(self, config, is_logger: bool):
+    def __init__(self, config, is_logger: bool, run_lock=None):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.config = config                # for the out-of-memory message's fixes
-        self.is_logger = is_logger
+        self.is_logger, self.run_lock = is_logger, run_lock    # the run folder's lock
         self.limit = heartbeat_seconds(config.distributed)
+        self.signals, self.first_sigint = StopSignals(), None
         self.step, self.stop, self.stop_step = 0, None, None   # stop: (reason, message)
-        self.last_checkpoint = None     # the newest complete checkpoint, for the messages
+        self.last_checkpoint = None     # the newest checkpoint started (maybe still in flight)
         self.parent = os.getppid()
         self.launched = "RANK" in os.environ
+        # torchrun's agent hosts the store; a launcher without one leaves it to rank 0
+        self.store_host = ("the launcher" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+                           == "True" else "rank 0")
         Watchdog.runs += 1                  # the same count on every rank
         self.store = launcher_store(Watchdog.runs) if self.world > 1 else None
-        self.signals, self.first_sigint = StopSignals(), None
         self.closed, self.failing = threading.Event(), threading.Lock()
-        self.peers = {}                 # rank -> pid, for the ranks on this machine
-        self.count, self.beaten_step = 0, None      # this rank's beats, the step of its last
+        self.peers = LocalPeers(self.rank, self.world, self.store, self._store)
+        self.beats = Heartbeats(self.rank, self.limit)
+
+    @property
+    def step(self) -> int:
+        """The steps this rank has finished; setting it wakes the thread, which beats it."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        self.signals.wake()
 
     def start(self) -> None:
         global _running
@@ -118,6 +127,8 @@ class Watchdog:
             return
         self.closed.set()
         self._tell_peers(outcome)
+        if self.run_lock is not None:
+            self.run_lock.release()
         self.signals.wake()
         self.signals.restore()
         atexit.unregister(self.close)
@@ -152,7 +163,6 @@ class Watchdog:
             self._watch_until_closed()
 
     def _watch_until_closed(self) -> None:
-        every, last_check, beats = self.limit / 4, None, {}
         while not self.closed.is_set():
             for signum in self.signals.received():
                 self._on_signal(signum)
@@ -163,15 +173,18 @@ class Watchdog:
                     self._stop_at_once()       # a second Ctrl-C that ended the launcher
                 self._fail(f"the launcher (pid {self.parent}) is gone; this worker stops "
                            f"instead of training unsupervised", tell_peers=False)
+            if self.run_lock is not None:
+                self.run_lock.refresh()        # its heartbeat, every run_lock.REFRESH_S
             if self.store is not None:
                 self._check_local_peers()
-                due = last_check is None or time.monotonic() - last_check >= every
-                if due or self.step != self.beaten_step:   # a new step: at most once a tick
-                    self._beat()
+                now = time.monotonic()
+                due = self.beats.due(now)
+                if due or self.step != self.beats.beaten_step:      # a new step: at once
+                    self._store(self.store.set, f"{BEAT_KEY}{self.rank}",
+                                self.beats.next_beat(self.step))
                 if due:
-                    last_check = time.monotonic()
-                    self._check_beats(beats)
-            select.select([self.signals], [], [], TICK_S)
+                    self._check_beats(now)
+            select.select([self.signals], [], [], self.beats.wait_s(time.monotonic()))
 
     def _on_signal(self, signum) -> None:
         now = time.monotonic()
@@ -186,7 +199,7 @@ class Watchdog:
         no resume takes (picotron/checkpoint/find.py)."""
         with self.failing:
             if self.is_logger:
-                last = self.last_checkpoint or "none yet"
+                last = self._last_complete() or "none yet"
                 print(f"stopped at once by a second Ctrl-C during step {self.step + 1}; "
                       f"nothing more is saved (a save in progress is left unfinished, never "
                       f"taken); the last complete checkpoint: {last}; {RESUME}",
@@ -194,59 +207,24 @@ class Watchdog:
             self._tell_peers("stopped at once by a second Ctrl-C")
             os._exit(130)
 
-    def _peer_pids(self) -> dict:
-        """{rank: pid} of the other ranks on this machine, read once all have published."""
-        if len(self.peers) < self.world - 1 and self._store(
-                self.store.check, [f"{PROCESS_KEY}{r}" for r in range(self.world)]):
-            host = socket.gethostname()
-            for r in range(self.world):
-                where, pid = json.loads(self._store(self.store.get, f"{PROCESS_KEY}{r}"))
-                if r != self.rank:
-                    self.peers[r] = pid if where == host else None
-        return {r: pid for r, pid in self.peers.items() if pid is not None}
-
-    def _gone_peer(self, died_only: bool):
-        """(rank, what happened) of a peer on this machine that has exited without finishing
-        the run, or None. A rank that exits on its own (an error it reports, a stop) says so
-        first (`close`, or at exit); one that says nothing died (kill -9, a crash in C)."""
-        for r, pid in self._peer_pids().items():
-            if not process_gone(pid):
-                continue
-            if not self._store(self.store.check, [f"{DONE_KEY}{r}"]):
-                return r, f"rank {r} (pid {pid}) died"
-            outcome = self._store(self.store.get, f"{DONE_KEY}{r}").decode()
-            if outcome != "finished" and not died_only:
-                return r, f"rank {r} {outcome}"
-        return None
-
     def _check_local_peers(self) -> None:
-        gone = self._gone_peer(died_only=True)
+        gone = self.peers.gone(died_only=True)
         if gone is not None:
-            self._fail(f"{gone[1]}; this rank stops too")
+            self._fail(f"{gone[1]}{STOPS_TOO}")
 
-    def _beat(self) -> None:
-        self.count, self.beaten_step = self.count + 1, self.step
-        self._store(self.store.set, f"{BEAT_KEY}{self.rank}", json.dumps([self.count,
-                                                                          self.step]))
-
-    def _check_beats(self, beats: dict) -> None:
-        """Fail on a peer whose beat has not changed for heartbeat_s. `beats`: rank -> (its
-        beat as last read, when it was first read so)."""
-        now = time.monotonic()
+    def _check_beats(self, now: float) -> None:
+        """Fail on a running peer whose beat has not changed for heartbeat_s (`now`: read
+        before the beats are)."""
+        beats = {}
         for r in range(self.world):
             if r == self.rank or self._store(self.store.check, [f"{DONE_KEY}{r}"]):
                 continue
             key = f"{BEAT_KEY}{r}"
-            beat = self._store(self.store.get, key) if self._store(self.store.check,
-                                                                   [key]) else None
-            if r not in beats or beats[r][0] != beat:       # first read, or it beat since
-                beats[r] = (beat, now)
-            silent = now - beats[r][1]
-            if silent > self.limit:
-                at = (f"it stopped beating at step {json.loads(beat)[1]}" if beat is not None
-                      else "it never beat: it froze or died while starting")
-                self._fail(f"rank {r} has sent no heartbeat for {silent:.1f} s "
-                           f"(distributed.heartbeat_s={self.limit:g}); {at}")
+            beats[r] = self._store(self.store.get, key) if self._store(self.store.check,
+                                                                       [key]) else None
+        silent = self.beats.check(beats, now)
+        if silent:
+            self._fail(silent)
 
     # ---- ending ----------------------------------------------------------------------------
     def collective_failed(self, error: BaseException) -> None:
@@ -255,11 +233,20 @@ class Watchdog:
         time.sleep(0.2)    # a signal that came with the failure is the thread's to act on
         deadline, gone = time.monotonic() + 3.0, None
         while self.store is not None and gone is None and time.monotonic() < deadline:
-            gone = self._gone_peer(died_only=False)
+            gone = self.peers.gone(died_only=False)
             time.sleep(0.05)
         text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         what = gone[1] if gone else f"a peer's connection failed ({type(error).__name__}: {text})"
-        self._fail(f"a collective failed: {what}; this rank stops too")
+        self._fail(f"a collective failed: {what}{STOPS_TOO}")
+
+    def _last_complete(self):
+        """The checkpoint `latest` names beside the last one this launch started (a save in
+        flight is not one until its rename), or None."""
+        if self.last_checkpoint is None:
+            return None
+        root = os.path.dirname(self.last_checkpoint)
+        name = latest_written(root)
+        return os.path.join(root, name) if name else None
 
     def _store(self, call, *args):
         """A store call; a store that stops answering means the launcher is gone."""
@@ -268,17 +255,25 @@ class Watchdog:
         except Exception as e:              # noqa: BLE001 - torch's store errors vary
             if self.closed.is_set():
                 raise _Closed() from e
-            self._fail(f"the launcher's key-value store stopped answering ({type(e).__name__}"
-                       f"): the launcher (pid {self.parent}) is gone or unreachable; this "
-                       f"worker stops instead of training unsupervised", tell_peers=False)
+            self._fail(self._store_gone(e), tell_peers=False)
+
+    def _store_gone(self, error: Exception) -> str:
+        what = f"the key-value store stopped answering ({type(error).__name__})"
+        if self.store_host == "the launcher":
+            return (f"{what}: the launcher (pid {self.parent}) is gone or unreachable; this "
+                    f"worker stops instead of training unsupervised")
+        pid = self.peers.known.get(0)
+        how = (f"(rank 0, pid {pid}) died" if pid is not None and process_gone(pid)
+               else "(rank 0) is gone or unreachable")
+        return f"{what}: the rank that hosted the store {how}{STOPS_TOO}"
 
     def _fail(self, message: str, tell_peers: bool = True) -> None:
         """Say why once, with how to resume, where torchrun's report will show it, and end
         this process now (the training thread may be blocked in a collective that will never
         return). `tell_peers`: leave the cause in the store, for the ranks that outlive this."""
         with self.failing:
-            last = (f" (the last complete checkpoint: {self.last_checkpoint})"
-                    if self.last_checkpoint else "")
+            complete = self._last_complete()
+            last = f" (the last complete checkpoint: {complete})" if complete else ""
             text = f"error (rank {self.rank}, step {self.step}): {message}; {RESUME}{last}"
             print(text, file=sys.stderr, flush=True)
             tell_launcher(text)
