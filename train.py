@@ -32,7 +32,7 @@ from picotron.run.metrics_log import MetricsLog, import_loggers
 from picotron.model import Decoder, materialize
 from picotron.run.run_lock import claim_run_dir
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
-from picotron.process_group_manager import ProcessGroupManager, check_nodes
+from picotron.process_group_manager import ProcessGroupManager, check_nodes, device_and_backend
 from picotron.run.report import (StartupPhases, config_read, data_warning, describe_run,
                                  end_stopped_run, exit_interrupted, exit_with_error,
                                  launch_lines, summary)
@@ -59,17 +59,11 @@ def setup(config_path, overrides=()):
     node_warning = check_nodes(d.tp_size, d.cp_size, local_world_size, world_size)
     if node_warning and rank == 0:
         print(node_warning, file=sys.stderr, flush=True)
-    if config.distributed.use_cpu:
-        device = torch.device("cpu")
-        backend = "gloo"
+    device, backend = device_and_backend(d, local_rank)     # share_gpu: cuda:0 over gloo
+    if device.type == "cpu":
         set_cpu_threads(local_world_size)  # cores / processes here
     else:
-        if not torch.cuda.is_available():
-            raise ConfigError("distributed.use_cpu is false but no CUDA GPU is visible; "
-                              "run on a GPU machine or recreate the config with --use_cpu")
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
         fallback = settle_auto_fp8(config)     # FP8 that "auto" chose, where torch lacks it
         if fallback and rank == 0:
             print(fallback, file=sys.stderr, flush=True)

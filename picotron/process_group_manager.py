@@ -127,6 +127,21 @@ class ProcessGroupManager:
                 f"tp {self.tp_rank}/{self.tp_size}")
 
 
+def device_and_backend(distributed, local_rank: int) -> tuple:
+    """(this rank's device, the process group's backend): gloo on CPU processes
+    (distributed.use_cpu); NCCL with one GPU per rank, the rank's LOCAL_RANK-th; with
+    distributed.share_gpu every rank on cuda:0 over gloo, since NCCL refuses two ranks on one
+    device (picotron/comm.py passes what gloo cannot take on CUDA through host memory)."""
+    if distributed.use_cpu:
+        return torch.device("cpu"), "gloo"
+    if not torch.cuda.is_available():
+        raise ConfigError("distributed.use_cpu is false but no CUDA GPU is visible; "
+                          "run on a GPU machine or recreate the config with --use_cpu")
+    if distributed.share_gpu:
+        return torch.device("cuda", 0), "gloo"
+    return torch.device("cuda", local_rank), "nccl"
+
+
 def check_nodes(tp: int, cp: int, ranks_per_node: int, world_size: int) -> Optional[str]:
     """Refuse a tensor-parallel group that would span two nodes; warn about a context ring that
     would. Returns the warning (one line) or None.

@@ -161,6 +161,9 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
                       "(liger rotates q and k in place inside those outputs), so the "
                       "recomputation would be wrong; use 'full', or model.kernels='triton' "
                       "(whose 'selective' recomputes the SwiGLU output) or 'torch'")
+    if d.share_gpu and d.use_cpu:
+        errors.append("distributed.share_gpu puts every rank on one CUDA GPU, but "
+                      "distributed.use_cpu is true; drop one of them")
     if m.attn_implementation == "flash_attention_2" and d.use_cpu:
         errors.append("model.attn_implementation='flash_attention_2' runs flash-attn's CUDA "
                       "kernels, but distributed.use_cpu is true; use 'sdpa' or 'auto'")

@@ -17,6 +17,8 @@ class DistributedConfig:
     pp_engine: str = "1f1b"     # pipeline schedule: afab | 1f1b | interleaved
     pp_virtual_stages: int = 2  # interleaved only: model chunks per pp rank (Megatron's v)
     use_cpu: bool = False       # gloo on CPU processes instead of NCCL on GPUs
+    share_gpu: bool = False     # every rank on cuda:0 over gloo: layouts checked on one GPU
+                                # against one process (slow: tokens/s and MFU mean nothing)
     zero_stage: int = 0         # 0: plain DP, 1: shard optimizer state, 2: and gradients,
                                 # 3: and parameters (gathered layer by layer, zero3.py)
     zero3_keep_params: bool = False  # ZeRO-3: keep a layer gathered from its forward to the

@@ -29,6 +29,7 @@ back at their owner, summed over all ranks' queries.
 import torch
 import torch.distributed as dist
 
+from picotron.comm import batch_isend_irecv
 from picotron.context_parallel.kernels import (fused_block_backward, fused_block_forward,
                                                reference_block_backward, reference_block_forward)
 
@@ -52,7 +53,7 @@ def ring_exchange(tensor, pgm):
     sent, received = tensor.contiguous(), torch.empty_like(tensor)
     ops = [dist.P2POp(dist.isend, sent, pgm.cp_send_rank, pgm.cp_group),
            dist.P2POp(dist.irecv, received, pgm.cp_recv_rank, pgm.cp_group)]
-    pending = (dist.batch_isend_irecv(ops), sent)    # `sent` lives until its send is done
+    pending = (batch_isend_irecv(ops), sent)    # `sent` lives until its send is done
 
     def wait():
         for work in pending[0]:

@@ -15,8 +15,8 @@ keeps each query head with its kv head on the same rank: rank i gets query heads
 [i*H/cp, (i+1)*H/cp) and kv heads [i*K/cp, (i+1)*K/cp).
 """
 import torch
-import torch.distributed as dist
 
+from picotron.comm import all_to_all_single
 from picotron.context_parallel.sharding import zigzag_positions
 
 
@@ -31,7 +31,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()                  # the collective reads and writes flat memory
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
+        all_to_all_single(out, x, group=group)
         return out
 
     @staticmethod

@@ -12,6 +12,8 @@ whose tensor differs stops with a clear error instead of corrupting the receiver
 import torch
 import torch.distributed as dist
 
+from picotron.comm import batch_isend_irecv
+
 
 def message_spec(config, pgm) -> tuple:
     """(shape, dtype) of every activation and gradient sent between stages: (B, T, C), T this
@@ -27,7 +29,7 @@ def exchange(sends: list, recvs: list, group) -> None:
     ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, group) for tensor, peer in sends]
     ops += [dist.P2POp(dist.irecv, buffer, peer, group) for buffer, peer in recvs]
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        for work in batch_isend_irecv(ops):
             work.wait()
 
 

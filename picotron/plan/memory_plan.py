@@ -92,12 +92,13 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
     refusal: the estimate, its biggest rows, and the changes that fit with MARGIN to spare
     (memory_advice.py). device_memory None: the device is the host (use_cpu); the host is
     shared by `ranks_per_host` ranks."""
-    e = estimate(config)
-    short = _shortfall(e, device_memory, host_memory, ranks_per_host, margin=0.0)
+    e, sharing = estimate(config), ranks_per_device(config)
+    short = _shortfall(e, device_memory, host_memory, ranks_per_host, 0.0, sharing)
     if short is None:
         return ""
     need, has, on_device = short
-    where = ("per GPU" if on_device else
+    where = (f"on the GPU ({sharing} ranks share it, {e.device_bytes / GiB:.1f} GiB each)"
+             if on_device and sharing > 1 else "per GPU" if on_device else
              f"on this host ({ranks_per_host} rank{'s' if ranks_per_host > 1 else ''})")
     biggest = ", ".join(f"{r.name} {r.bytes / GiB:.1f} GiB"
                         for r in sorted(e.rows, key=lambda r: -r.bytes)[:3])
@@ -112,12 +113,15 @@ def memory_errors(config, device_memory, host_memory, ranks_per_host: int = 1) -
 def memory_warning(config, device_memory, host_memory, ranks_per_host: int = 1) -> str:
     """"" unless the estimate fits but leaves less than MARGIN of the memory to spare: then a
     warning that the run may run out of memory, with the changes that would leave it."""
-    short = _shortfall(estimate(config), device_memory, host_memory, ranks_per_host, MARGIN)
+    sharing = ranks_per_device(config)
+    short = _shortfall(estimate(config), device_memory, host_memory, ranks_per_host, MARGIN,
+                       sharing)
     if short is None:
         return ""
     need, has, on_device = short
-    return (f"warning: the memory estimate ({need / GiB:.1f} GiB "
-            f"{'per GPU' if on_device else 'on this host'}) leaves less than {MARGIN:.0%} of "
+    where = (f"on the GPU, {sharing} ranks" if on_device and sharing > 1 else
+             "per GPU" if on_device else "on this host")
+    return (f"warning: the memory estimate ({need / GiB:.1f} GiB {where}) leaves less than {MARGIN:.0%} of "
             f"the {has / GiB:.1f} GiB{_usable(on_device)} to spare, and estimates have measured"
             f" up to {MEASURED_LOW:.0%} below the peak: this run may run out of memory. These "
             f"would leave {MARGIN:.0%}: "
@@ -140,17 +144,25 @@ def out_of_memory_message(error, config, device) -> str:
             f"{_fixes(config, min(device_memory, need), host_memory, ranks)}")
 
 
-def _needs(e: Estimate, device_memory, ranks_per_host: int) -> tuple:
-    """(device need, host need) in bytes: on CPU runs the host holds both, for every rank."""
+def ranks_per_device(config) -> int:
+    """The ranks one GPU holds: all of them with distributed.share_gpu, else one."""
+    d = config.distributed
+    return config.world_size if d.share_gpu and not d.use_cpu else 1
+
+
+def _needs(e: Estimate, device_memory, ranks_per_host: int, ranks_per_device: int) -> tuple:
+    """(device need, host need) in bytes: on CPU runs the host holds both, for every rank; a
+    shared GPU (distributed.share_gpu) holds every rank's device share."""
     if device_memory is None:
         return 0, ranks_per_host * (e.device_bytes + e.host_bytes)
-    return e.device_bytes, ranks_per_host * e.host_bytes
+    return ranks_per_device * e.device_bytes, ranks_per_host * e.host_bytes
 
 
-def _shortfall(e: Estimate, device_memory, host_memory, ranks_per_host, margin: float):
+def _shortfall(e: Estimate, device_memory, host_memory, ranks_per_host, margin: float,
+               ranks_per_device: int = 1):
     """None when the estimate with `margin` to spare fits the device and the host, else
     (need, has, on_device) in bytes for the one it does not fit (the device first)."""
-    dev, host = _needs(e, device_memory, ranks_per_host)
+    dev, host = _needs(e, device_memory, ranks_per_host, ranks_per_device)
     if device_memory is not None and dev * (1 + margin) > device_memory:
         return dev, device_memory, True
     if host * (1 + margin) > host_memory:
@@ -161,7 +173,8 @@ def _shortfall(e: Estimate, device_memory, host_memory, ranks_per_host, margin: 
 def _fixes(config, device_memory, host_memory, ranks_per_host) -> str:
     def fits(variant):
         return not layout_errors(variant) and _shortfall(
-            estimate(variant), device_memory, host_memory, ranks_per_host, MARGIN) is None
+            estimate(variant), device_memory, host_memory, ranks_per_host, MARGIN,
+            ranks_per_device(variant)) is None
     on_gpu = device_memory is not None
     return describe_fixes(fixes(config, fits, on_gpu), on_gpu)
 
@@ -182,8 +195,9 @@ def machine_memory(config, device) -> tuple:
     """(device memory PyTorch can use, or None when the device is the host; host memory;
     ranks per host) in bytes, as a run of `config` on `device` has them here: the memory they
     have, not what is free now, so the same on every rank of a node."""
-    if device.type == "cuda":
-        ranks = max(1, min(config.world_size, torch.cuda.device_count()))
+    if device.type == "cuda":      # a shared GPU (distributed.share_gpu): every rank here
+        ranks = (config.world_size if ranks_per_device(config) > 1
+                 else max(1, min(config.world_size, torch.cuda.device_count())))
         return (torch.cuda.mem_get_info(device)[1] - GPU_RESERVED, host_memory_bytes(),
                 ranks)
     return None, host_memory_bytes(), config.world_size

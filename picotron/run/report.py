@@ -41,8 +41,10 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
     threads = f", {plural(threads, 'CPU thread')} each" if device.type == "cpu" else ""
     lines += [f"{pgm} (this rank logs: the last pipeline stage's first rank holds the loss)",
               f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} on "
-              f"{plural(config.world_size, 'CPU process' if d.use_cpu else 'GPU')} "
-              f"({device.type}{threads})",
+              + (f"{config.world_size} ranks sharing one GPU ({device}; throughput means "
+                 f"nothing)" if d.share_gpu and not d.use_cpu else
+                 f"{plural(config.world_size, 'CPU process' if d.use_cpu else 'GPU')} "
+                 f"({device.type}{threads})"),
               f"model {config.model.name}: {count_params(config.model) / 1e6:.2f}M parameters, "
               f"{flops_tok / 1e9:.3f} GFLOPs/token (6N + 12*L*C*T); kernels "
               f"{config.model.kernels}, loss {t.fused_loss}, recompute "
@@ -184,8 +186,11 @@ def config_read(config, world_size: int) -> str:
     """Rank 0's first line, before the process groups exist: the launch is alive."""
     d, age = config.distributed, process_age()
     started = "" if age is None else f", {age:.1f}s after this process started (imports)"
+    shared = (f"\ndistributed.share_gpu: all {world_size} ranks share one GPU (cuda:0) over "
+              f"gloo, collectives through host memory: a check of the numbers only, "
+              f"tokens/s and MFU mean nothing" if d.share_gpu and not d.use_cpu else "")
     return (f"config read{started}: {plural(world_size, 'rank')} = dp {d.dp_size} x tp "
-            f"{d.tp_size} x pp {d.pp_size} x cp {d.cp_size}; setting up")
+            f"{d.tp_size} x pp {d.pp_size} x cp {d.cp_size}; setting up" + shared)
 
 
 def launch_lines(config, run_dir: str, start_step: int, weights_from: str, overrides) -> None:

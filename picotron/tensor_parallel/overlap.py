@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from picotron.comm import batch_isend_irecv
 from picotron.model import MLP, Attention, apply_rope
 from picotron.tensor_parallel.layers import RowParallelLinear
 
@@ -71,7 +72,7 @@ def _exchange(send, recv, group, step: int):
     (step +1 or -1); returns the work handles to wait on (gloo gives one per operation)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     to, source = (dist.get_global_rank(group, (rank + i) % n) for i in (step, -step))
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, group),
+    return batch_isend_irecv([dist.P2POp(dist.isend, send, to, group),
                                    dist.P2POp(dist.irecv, recv, source, group)])
 
 
