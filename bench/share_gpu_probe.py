@@ -10,6 +10,7 @@ must have. A case that crashes a process (a CUDA pointer handed to a host transp
 is recorded, and the next case runs on a fresh pair. Then the same collectives through
 picotron/comm.py's host path. Prints one row per case and the set GLOO_NEEDS_HOST should be.
 """
+import argparse
 import datetime
 import multiprocessing as mp
 import os
@@ -183,7 +184,11 @@ def run_all(keys):
 
 def main():
     global DEVICE
-    if "--cpu" in sys.argv[1:]:
+    parser = argparse.ArgumentParser(description="Which collectives gloo runs on CUDA tensors "
+                                     "with two ranks on cuda:0, and which need comm.py's host "
+                                     "copy.", allow_abbrev=False)
+    parser.add_argument("--cpu", action="store_true", help="a dry run on CPU tensors")
+    if parser.parse_args().cpu:
         DEVICE = "cpu"
     where = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (dry run)"
     print(f"torch {torch.__version__}, {where}; {WORLD} gloo ranks on {DEVICE}", flush=True)
