@@ -160,7 +160,7 @@ def run_all(keys):
         current, seen = {}, {}
         while len(verdicts) < len(keys):
             try:
-                msg = results.get(timeout=45)
+                msg = results.get(timeout=30)   # gloo's own timeout is 20 s
             except queue.Empty:
                 msg = None
             if msg is None or any(p.exitcode not in (None, 0) for p in procs):
@@ -190,11 +190,12 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="a dry run on CPU tensors")
     if parser.parse_args().cpu:
         DEVICE = "cpu"
-    where = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (dry run)"
-    print(f"torch {torch.__version__}, {where}; {WORLD} gloo ranks on {DEVICE}", flush=True)
     keys = [(n, dt, False) for n in CASES for dt in ("float32", "bfloat16")]
     keys += [(n, dt, True) for n in HOST_CASES for dt in ("float32", "bfloat16")]
     verdicts = run_all(keys)
+    # only now: CUDA used in this process before a fork is unusable in the forked ranks
+    where = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (dry run)"
+    print(f"torch {torch.__version__}, {where}; {WORLD} gloo ranks on {DEVICE}", flush=True)
     print(f"{'collective':24s} {'dtype':9s} {'path':14s} result")
     for name, dtype, host in keys:
         path = "comm host copy" if host else f"gloo on {DEVICE}"
