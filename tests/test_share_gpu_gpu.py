@@ -136,7 +136,7 @@ def differences(ref_path: str, run_path: str) -> dict:
 
 def run_suite(root, layouts=LAYOUTS) -> list:
     """Train everything (references first), compare; one row per layout: {name, world,
-    diffs, tols, error}."""
+    diffs, tols, error, paths: the configs of the run and its two one-process runs}."""
     runs, refs = write_suite(root, layouts)
     failed = train_all([p for pair in refs.values() for p in pair], 1)
     for world in sorted({w for _, w, _ in runs.values()}):
@@ -145,7 +145,8 @@ def run_suite(root, layouts=LAYOUTS) -> list:
     for name, (path, world, key) in runs.items():
         ref, resplit = refs[key]
         error = failed.get(path) or failed.get(ref) or failed.get(resplit)
-        row = {"name": name, "world": world, "error": error}
+        row = {"name": name, "world": world, "error": error,
+               "paths": {"run": path, "ref": ref, "resplit": resplit}}
         if not error:
             noise = differences(ref, resplit)
             row["diffs"] = differences(ref, path)
