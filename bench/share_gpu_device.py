@@ -4,40 +4,48 @@
 
 1. bench/share_gpu_probe.py: which collectives gloo runs on CUDA tensors in this torch;
 2. bench/share_gpu_parity.py: every layout against one process, bf16 and the GPU defaults;
-3. the same for the tensor-parallel layouts in fp32 (`--set training.dtype=float32`): whether
-   a bf16 difference is rounding (then fp32 matches to about 1e-6) or the layout's math.
+3. the tensor-parallel layouts in fp32 (`--set training.dtype=float32`): whether a bf16
+   difference is rounding (then fp32 matches to about 1e-6) or the layout's math;
+4. dp2 with FP8 alone and with CUDA graphs alone (the suite's dp2-graphs-fp8 row has both).
 
-Each step's output goes to DIR (default $OUT) as it runs: probe.txt, parity.log,
-parity-fp32.log, and the parity script's tables and per-step JSON; each step has its own
-time limit, so a hang costs only its step. Exits 1 when any step fails.
+Each step writes DIR/raw/TAG.log as it runs (DIR: default $OUT), and the parity steps their
+tables and per-step JSON (share_gpu_parity-TAG.md, share_gpu_steps-TAG.json); at the end
+DIR/raw becomes DIR/share_gpu_device.tar.gz. Each step has its own time limit, so a hang
+costs only its step. Exits 1 when any step fails.
 """
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 FP32_LAYOUTS = "tp2,tp2-sp,dp2xtp2,tp2xpp2"
-# (log name, seconds, arguments): the bf16 suite ran 16 layouts in 60 s on an H200
-STEPS = [("probe.txt", 200, ["share_gpu_probe.py"]),
-         ("parity.log", 240, ["share_gpu_parity.py"]),
-         ("parity-fp32.log", 120, ["share_gpu_parity.py", "--only", FP32_LAYOUTS, "--set",
-                                   "training.dtype=float32", "--tag", "fp32", "--runs",
-                                   "/tmp/share_gpu_runs_fp32"])]
+# (tag, seconds, arguments), 540 s in all: the bf16 suite ran 16 layouts in 60 s on an H200
+STEPS = [("probe", 150, ["share_gpu_probe.py"]),
+         ("bf16", 200, ["share_gpu_parity.py"]),
+         ("fp32", 90, ["share_gpu_parity.py", "--only", FP32_LAYOUTS,
+                        "--set", "training.dtype=float32"]),
+         # dp2 with CUDA graphs and FP8 apart: which of the two moves the grad norm
+         ("dp2-fp8", 50, ["share_gpu_parity.py", "--only", "dp2",
+                          "--set", "training.fp8=tensorwise_delayed"]),
+         ("dp2-graphs", 50, ["share_gpu_parity.py", "--only", "dp2",
+                             "--set", "training.cuda_graphs=true"])]
 
 
-def run_step(log: str, limit: int, args: list, out: str) -> int:
-    """One step, its output printed and written to out/log as it comes; its exit code
+def run_step(tag: str, limit: int, args: list, out: str) -> int:
+    """One step, its output printed and written to out/TAG.log as it comes; its exit code
     (124 when it ran past `limit` seconds)."""
     cmd = [sys.executable, "-u", os.path.join(BENCH, args[0])] + args[1:]
     if args[0] == "share_gpu_parity.py":
-        cmd += ["--out", out]
+        cmd += ["--out", out, "--tag", tag, "--runs", f"/tmp/share_gpu_runs_{tag}"]
     print(f"== {' '.join(args)} (at most {limit} s)", flush=True)
     started = time.perf_counter()
-    with open(os.path.join(out, log), "w") as f:
+    with open(os.path.join(out, f"{tag}.log"), "w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         timer = threading.Timer(limit, os.killpg, (proc.pid, signal.SIGKILL))
@@ -59,8 +67,13 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "share_gpu_out"),
                    help="folder of the logs and tables (default: $OUT, else share_gpu_out)")
     out = p.parse_args().out
-    os.makedirs(out, exist_ok=True)
-    codes = [run_step(log, limit, args, out) for log, limit, args in STEPS]
+    raw = os.path.join(out, "raw")
+    os.makedirs(raw, exist_ok=True)
+    codes = [run_step(tag, limit, args, raw) for tag, limit, args in STEPS]
+    # the device tool returns at most 8 files: one archive (raw/ stays if this is not reached)
+    with tarfile.open(os.path.join(out, "share_gpu_device.tar.gz"), "w:gz") as tar:
+        tar.add(raw, arcname="share_gpu_device")
+    shutil.rmtree(raw)
     sys.exit(0 if not any(codes) else 1)
 
 
