@@ -37,8 +37,9 @@ STREAK_AT_END = 3
 
 class SkippedSteps:
     """skips = SkippedSteps(config.training, save_dir); after each logged step
-    `skips.update(step, skipped, loss, grad_norm)` (raises RunStopped at max_skipped_steps in
-    a row); before a save, `skips.skipping`; at the end, `skips.check_end(device)`."""
+    `skips.update(step, skipped, loss, grad_norm, device)` (raises RunStopped at
+    max_skipped_steps in a row); before a save, `skips.skipping` (then `skips.leave_out(...)`);
+    at the end of the loop, `skips.check_end(device)`."""
 
     def __init__(self, training, save_dir):
         self.limit, self.learning_rate = training.max_skipped_steps, training.learning_rate
