@@ -229,7 +229,7 @@ def main(argv=None):
                   save_dir=save_root(config, run_dir), on_diverged=watchdog.request_stop)
 
     # ---- train --------------------------------------------------------------------------
-    started, val, saved, stop = time.perf_counter(), None, None, False
+    started, val, saved, stop, left_out = time.perf_counter(), None, None, False, None
     saver = CheckpointSaver(config.checkpoint.async_save)   # files written in the background?
     try:
         for step in range(start_step, t.total_train_steps):
@@ -253,7 +253,11 @@ def main(argv=None):
                 metrics.write(val)
                 if is_logger:
                     print(validation_line(val), flush=True)
-            if save:
+            if save and log.skips.skipping:    # a skipped step: no checkpoint, `latest` kept
+                left_out = log.skips.leave_out(
+                    os.path.join(save_root(config, run_dir), f"step_{step + 1:06d}"), is_logger)
+            elif save:
+                left_out = None
                 with grads.full_parameters():           # ZeRO-3: gathered for the save
                     saved = saver.save(model, optimizer, pgm, config, save_root(config, run_dir),
                                        step + 1, {"tokens_seen": log.tokens_seen,
@@ -263,6 +267,8 @@ def main(argv=None):
             if stop:
                 break
         saver.wait()           # the save in flight is complete, or its error raised here
+        if not stop:           # ended skipping: status 2, `latest` as before the skips
+            log.skips.check_end(device)
     except BaseException:      # a crash: the last finished step is still logged
         with contextlib.suppress(Exception):
             log.flush()
@@ -270,10 +276,10 @@ def main(argv=None):
         raise
     watchdog.close()
     if is_logger and start_step < t.total_train_steps:
-        print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path),
-              flush=True)
+        print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path,
+                      left_out), flush=True)
     if stop:              # one line, status 143 (SIGTERM) or 130 (Ctrl-C); diverged: an error
-        end_stopped_run(watchdog.stop, watchdog.step, saved, is_logger)
+        end_stopped_run(watchdog.stop, watchdog.step, saved, is_logger, left_out)
     if owns_group:
         dist.destroy_process_group()
 

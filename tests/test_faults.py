@@ -43,14 +43,14 @@ def config_for(tmp_path, name, layout, heartbeat_s=HEARTBEAT_S, timeout_s=60):
         "--set", f"distributed.timeout_s={timeout_s}"])
 
 
-def start(config_path, *extra):
-    """torchrun on 4 ranks, in its own session (so a test can signal all of it), each rank's
-    output in its own files (`rank_output`)."""
+def start(config_path, *extra, script=os.path.join(ROOT, "train.py")):
+    """torchrun on 4 ranks of `script`, in its own session (so a test can signal all of it),
+    each rank's output in its own files (`rank_output`)."""
     logs = os.path.dirname(config_path)          # files, not pipes: a full pipe blocks a rank
     stamp = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_port", str(free_port()), "--log-dir", os.path.join(logs, f"ranks.{stamp}"),
-           "--redirects", "3", os.path.join(ROOT, "train.py"), "--config", config_path, *extra]
+           "--redirects", "3", script, "--config", config_path, *extra]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     out, err = (open(os.path.join(logs, f"{n}.{stamp}.txt"), "w+") for n in ("out", "err"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True,
@@ -255,7 +255,11 @@ def test_a_frozen_rank_is_named_before_the_collective_timeout(tmp_path):
         proc.wait()
     print(f"\nfrozen rank 1 named after {took:.1f} s: {line}")
     assert "rank 1 has sent no heartbeat" in line and "it stopped beating after step" in line, line
-    assert int(line.split("stopped beating after step ")[1].split(";")[0]) >= 3, line
+    # rank 1 logs the steps (the last stage's first rank), each once the next one is queued
+    # or at a save: it had finished the steps it logged, and at most one more
+    beat = int(line.split("stopped beating after step ")[1].split(";")[0])
+    logged = logged_steps(path)
+    assert 3 <= logged <= beat <= logged + 1, (line, logged)
     assert took <= 15 * 1.25 + 5 < 30, took     # heartbeat_s + 1 interval, < timeout_s
     ends = last_lines(proc)
     assert all("no heartbeat" in ends[r] or "died" in ends[r] for r in (0, 2, 3)), ends

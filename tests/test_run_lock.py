@@ -16,6 +16,7 @@ from launch import ROOT, free_port, write_config
 from picotron.errors import ConfigError
 from picotron.run import run_lock
 from picotron.run.run_lock import RunLock, process_start
+from test_faults import workers
 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 TINY = ["--dataset_name", "synthetic", "--seq_len", "32", "--mbs", "2", "--num_hidden_layers",
@@ -153,6 +154,9 @@ def test_a_second_launch_into_a_running_folder_is_refused_and_the_first_unharmed
         while len(logged_steps(path)) < 2 and time.time() < end and first.poll() is None:
             time.sleep(0.1)
         assert len(logged_steps(path)) >= 2, output(first)
+        with open(os.path.join(os.path.dirname(path), "run.lock")) as f:
+            owner = json.load(f)["pid"]        # one lock for the launch: its rank 0's
+        assert owner == (first.pid if nproc == 1 else workers(first.pid)[0]), owner
         second = start_run(path, nproc)
         second.wait(timeout=180)
         out, err = output(second)
@@ -178,3 +182,21 @@ def test_a_second_launch_into_a_running_folder_is_refused_and_the_first_unharmed
     steps = logged_steps(path)
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > before, steps
     assert not os.path.exists(os.path.join(os.path.dirname(path), "run.lock"))  # released
+
+
+def test_a_launch_into_a_folder_whose_lock_was_left_by_a_killed_run_takes_it_over(tmp_path):
+    """A run killed (kill -9) leaves its lock; the next launch takes it over, says so in one
+    warning, trains, and removes the lock at its end."""
+    import socket
+    path = write_config(tmp_path, "run", TINY[:-2] + ["--total_train_steps", "2"])
+    gone = dead_pid()
+    write_lock(os.path.dirname(path), host=socket.gethostname(), pid=gone)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", path],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [x for x in done.stderr.splitlines() if x.startswith("warning: took over")]
+    assert warned == [f"warning: took over the run folder's lock {os.path.dirname(path)}/"
+                      f"run.lock from pid {gone} on host {socket.gethostname()}, started "
+                      f"2026-01-01T00:00:00+00:00: its process {gone} on this host is gone"], (
+                          done.stderr[-3000:])
+    assert not os.path.exists(os.path.join(os.path.dirname(path), "run.lock"))

@@ -89,10 +89,12 @@ def test_non_finite_weights_never_become_latest(tmp_path, mode):
         "--total_train_steps", "12", "--set", "checkpoint.save_frequency=4"])
     run_dir = os.path.dirname(path)
     worker = os.path.join(ROOT, "tests", "workers", "nan_weights_run.py")
-    done = run(worker, path, "6", mode)
+    # poisoned at a save's own step, or at the step of the signal (a step after the poisoned
+    # one is skipped, its NaN loss giving a NaN gradient, and is never saved at all)
+    stop_step = 8 if mode == "save" else 6
+    done = run(worker, path, str(stop_step), mode)
     said = [x for x in done.stderr.splitlines() if x.startswith("error")]
     assert done.returncode == 2 and len(said) == 1, done.stderr[-3000:]
-    stop_step = 8 if mode == "save" else 6     # the next save, or the step of the signal
     assert f"not saving {run_dir}/checkpoints/step_{stop_step:06d}" in said[0], said
     assert "holds non-finite values" in said[0] and "`latest` stays step_000004" in said[0]
     assert latest(run_dir) == "step_000004"
@@ -120,3 +122,71 @@ def test_ctrl_c_on_one_process_stops_after_the_step_saves_and_exits_130(tmp_path
                     f"{run_dir}/checkpoints/step_{step:06d} saved; resume with --set "
                     f"checkpoint.load_path=latest"), last
     assert latest(run_dir) == f"step_{step:06d}"
+
+
+def test_a_float16_run_whose_loss_turns_nan_ends_non_zero_naming_a_good_latest(tmp_path):
+    """float16 at learning rate 1 (warmed up over 6 steps), a checkpoint at every step, fewer
+    steps than training.max_skipped_steps: one step's update makes weights whose float16
+    forward overflows, and every loss after it is NaN, every step skipped. No checkpoint is
+    written of a skipped step; the run ends with status 2 naming the steps, and `latest`, which
+    named the checkpoint of the update that broke the weights, names the one before it."""
+    path = write_config(tmp_path, "fp16", TINY + [
+        "--total_train_steps", "9", "--set", "training.dtype=float16",
+        "--set", "training.learning_rate=1", "--set", "training.warmup_steps=6",
+        "--set", "checkpoint.save_frequency=1"])
+    run_dir = os.path.dirname(path)
+    root = os.path.join(run_dir, "checkpoints")
+    done = run(os.path.join(ROOT, "train.py"), "--config", path)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    trained = [r["step"] for r in records if not r["skipped"]]
+    broke = trained[-1]                  # the last update: every loss after it is NaN
+    assert [r["loss"] for r in records[broke:]] == [None] * (9 - broke), records   # NaN: null
+    assert len(trained) >= 2 and broke < 9 - 2, records
+    assert sorted(os.listdir(root)) == ["latest"] + [f"step_{s:06d}" for s in trained]
+    said = [x for x in done.stderr.splitlines() if x.startswith("error")]
+    assert done.returncode == 2 and len(said) == 1, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "Traceback" not in done.stderr and "done:" not in done.stdout
+    good = trained[-2]
+    assert said[0] == (
+        f"error: the run ended while skipping: steps {broke + 1}-9 ({9 - broke} in a row) were "
+        f"skipped for a non-finite gradient and its last loss is not finite; its weights did "
+        f"not train after step {broke}. The last checkpoint written before step {broke}, whose "
+        f"update made every loss after it non-finite: {root}/step_{good:06d} (`latest` now "
+        f"names it, not step_{broke:06d}). Lower training.learning_rate (now 1), or with "
+        f"float16 use bfloat16, then resume with --set checkpoint.load_path=latest"), said
+    assert latest(run_dir) == f"step_{good:06d}"
+    left_out = [x for x in done.stdout.splitlines() if x.startswith("warning: not saving")]
+    assert len(left_out) == 9 - len(trained), left_out
+
+
+@pytest.mark.parametrize("first_bad", [5, 8])
+def test_a_run_that_ends_skipping_ends_non_zero_and_a_last_lone_skip_does_not(tmp_path,
+                                                                              first_bad):
+    """Gradients reported non-finite from step `first_bad` of 8 (tests/workers/
+    diverging_run.py), the losses finite. Steps 5-8 skipped: status 2, the saves at 6 and 8
+    left out. Only step 8 skipped (a float16 loss scale's lone overflow looks so): the run is
+    done, without a checkpoint of step 8, and says so."""
+    path = write_config(tmp_path, "skips", TINY + [
+        "--total_train_steps", "8", "--set", "checkpoint.save_frequency=2"])
+    run_dir = os.path.dirname(path)
+    done = run(os.path.join(ROOT, "tests", "workers", "diverging_run.py"), path,
+               str(first_bad))
+    root = os.path.join(run_dir, "checkpoints")
+    if first_bad == 5:
+        said = [x for x in done.stderr.splitlines() if x.startswith("error")]
+        assert done.returncode == 2 and len(said) == 1, done.stderr[-3000:]
+        assert said[0].startswith("error: the run ended while skipping: steps 5-8 (4 in a "
+                                  "row) were skipped for a non-finite gradient and its last "
+                                  "loss is finite; its weights did not train after step 4. "
+                                  f"The last checkpoint written before them: {root}/"
+                                  f"step_000004 (`latest` names it)"), said
+        assert latest(run_dir) == "step_000004"
+        assert sorted(os.listdir(root)) == ["latest", "step_000002", "step_000004"]
+    else:
+        assert done.returncode == 0, done.stderr[-3000:]
+        last = done.stdout.strip().splitlines()[-1]
+        assert last.startswith("done: 8 steps") and "1 step skipped" in last, last
+        assert f"checkpoint {root}/step_000006 (not step 8: step 8 was skipped)" in last, last
+        assert latest(run_dir) == "step_000006"
+        assert "warning: not saving " + f"{root}/step_000008: step 8 was skipped" in done.stdout

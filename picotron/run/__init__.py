@@ -7,6 +7,8 @@ Reading order (each file needs only the ones before it):
     run_lock.py            one run at a time in a run folder: its lock, on shared filesystems too
     metrics_log.py         metrics.jsonl, and the loggers beside it (W&B, TensorBoard)
     divergence.py          the rule that stops a run whose loss has left its best far behind
+    skipped_steps.py       steps skipped for a non-finite gradient: no checkpoint of them, and
+                           a run that stops or ends while skipping fails, naming where to resume
     step_log.py            one record per optimizer step, logged one step behind; progress
     launcher.py            what a worker shares with torchrun: its store and its error file
     stop_signals.py        SIGTERM and Ctrl-C, heard even while the training thread is blocked

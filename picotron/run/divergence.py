@@ -49,7 +49,7 @@ class DivergenceCheck:
 
     def message(self, step: int, mean: float) -> str:
         first = self.window[0][0]
-        good = self.last_good_checkpoint(first)
+        good = last_checkpoint_before(self.save_dir, first)
         where = (f"resume from {good}, the newest checkpoint before that window (--set "
                  f"checkpoint.load_path={good})" if good else
                  "no checkpoint was saved before it: start again")
@@ -59,10 +59,11 @@ class DivergenceCheck:
                 f"training.divergence_factor and divergence_steps set this rule (factor 0: "
                 f"never)")
 
-    def last_good_checkpoint(self, first: int):
-        """The newest complete checkpoint of a step before `first`, or None."""
-        if self.save_dir is None:
-            return None
-        before = [d for d in complete_checkpoints(self.save_dir)
-                  if int(os.path.basename(d).split("_")[1]) < first]
-        return before[-1] if before else None
+
+def last_checkpoint_before(save_dir, first: int):
+    """The newest complete checkpoint under `save_dir` of a step before `first`, or None."""
+    if save_dir is None:
+        return None
+    before = [d for d in complete_checkpoints(save_dir)
+              if int(os.path.basename(d).split("_")[1]) < first]
+    return before[-1] if before else None

@@ -32,7 +32,7 @@ class Heartbeats:
         self.rank, self.limit, self.every = rank, limit_s, limit_s / 4
         self.count, self.beaten_step = 0, None     # this rank's beats, the step of its last
         self.next_check = self.last_check = None   # monotonic times
-        self.seen = {}                # rank -> (its beat as last read, the time it is dated)
+        self.seen = {}    # rank -> (its beat as last read, the time it is dated, read first)
 
     def due(self, now: float) -> bool:
         return self.next_check is None or now >= self.next_check
@@ -55,17 +55,20 @@ class Heartbeats:
         self.last_check, self.next_check = now, max(scheduled + self.every, now)
         for r, beat in beats.items():
             if r not in self.seen or self.seen[r][0] != beat:    # first read, or it beat
-                self.seen[r] = (beat, dated)
-            silent = now - self.seen[r][1]
-            if silent >= self.limit:
-                return silent_rank(r, beat, silent, self.limit)
+                self.seen[r] = (beat, dated, now)
+            if now - self.seen[r][1] >= self.limit:
+                return silent_rank(r, beat, now - self.seen[r][2], now - self.seen[r][1],
+                                   self.limit)
         return None
 
 
-def silent_rank(rank: int, beat, silent: float, limit: float) -> str:
+def silent_rank(rank: int, beat, least: float, most: float, limit: float) -> str:
+    """The message naming `rank`, whose last beat went out `least` to `most` seconds ago
+    (between the check that found it and the one before)."""
     if isinstance(beat, bytes):
         beat = beat.decode()
     at = (f"it stopped beating after step {json.loads(beat)[1]}" if beat is not None
           else "it never beat: it froze or died while starting")
-    return (f"rank {rank} has sent no heartbeat for {silent:.1f} s "
+    silent = f"{most:.1f} s" if most - least < 0.05 else f"{least:.1f}-{most:.1f} s"
+    return (f"rank {rank} has sent no heartbeat for {silent} "
             f"(distributed.heartbeat_s={limit:g}); {at}")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from picotron.utils import process_gone
 
 STOP_KEY, BEAT_KEY, PROCESS_KEY, DONE_KEY = "stop", "heartbeat/", "process/", "done/"
+SIGINT_KEY = "sigint"        # set by the first rank that hears a SIGINT
 STOPS_TOO = "; this rank stops too"
 
 

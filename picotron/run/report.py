@@ -150,11 +150,11 @@ def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) ->
 
 
 def summary(log, started: float, start_step: int, total_steps: int, val, checkpoint,
-            metrics_path: str) -> str:
+            metrics_path: str, left_out=None) -> str:
     """The run's last line: steps, time, tokens, final losses, where its outputs are.
     `log` is the run's StepLog (its last record and token count), `started` the host clock
     when the loop began, `val` the last validation's metrics record or None, `checkpoint`
-    the last saved directory or None."""
+    the last saved directory or None, `left_out` why the last save was left out, or None."""
     took = time.perf_counter() - started
     steps = total_steps - start_step
     tokens = log.tokens_seen - log.tokens_at_start
@@ -163,8 +163,8 @@ def summary(log, started: float, start_step: int, total_steps: int, val, checkpo
              f"{tokens:,} tokens ({tokens / max(took, 1e-9):,.0f} tok/s)"]
     if "loss" in last:
         parts.append(f"final loss {last['loss']:.4f}")
-    if log.skipped_total:
-        parts.append(f"{log.skipped_total} steps skipped (non-finite gradient)")
+    if log.skips.total:
+        parts.append(f"{plural(log.skips.total, 'step')} skipped (non-finite gradient)")
     saturated = saturated_steps(metrics_path, start_step)    # delayed FP8's, in metrics.jsonl
     if saturated:
         worst = max(saturated, key=lambda r: r["fp8_worst_ratio"] or math.inf)   # null: NaN
@@ -176,8 +176,10 @@ def summary(log, started: float, start_step: int, total_steps: int, val, checkpo
         parts.append(f"val loss {val['val_loss']:.4f}" + (
             f" ({val['val_bits_per_byte']:.4f} bits per byte)" if "val_bits_per_byte" in val
             else ""))
-    parts.append(f"checkpoint {checkpoint}" if checkpoint else
-                 "no checkpoint (checkpoint.save_final=false and no save_frequency)")
+    why = left_out or "checkpoint.save_final=false and no save_frequency"
+    not_final = f" (not step {total_steps}: {left_out})" if left_out else ""
+    parts.append(f"checkpoint {checkpoint}{not_final}" if checkpoint else
+                 f"no checkpoint ({why})")
     parts.append(f"metrics {metrics_path}")
     return "; ".join(parts)
 
@@ -242,11 +244,12 @@ class StartupPhases:
             self.mark = None
 
 
-def end_stopped_run(stop, step: int, saved, is_logger: bool) -> None:
+def end_stopped_run(stop, step: int, saved, is_logger: bool, left_out=None) -> None:
     """The end of a run every rank stopped after step `step` (picotron/run/watchdog.py):
-    `stop` is (reason, message); `saved` the last checkpoint this launch saved, or None. A
-    signal: one line and the status of a process that signal killed (SIGTERM 143, Ctrl-C
-    130), as a scheduler expects; a diverged loss: an error, status 2."""
+    `stop` is (reason, message); `saved` the last checkpoint this launch saved, or None
+    (`left_out`: why the stop's save was left out). A signal: one line and the status of a
+    process that signal killed (SIGTERM 143, Ctrl-C 130), as a scheduler expects; a diverged
+    loss: an error, status 2."""
     reason, message = stop
     if reason == "diverged":
         raise RunStopped(message)
@@ -255,8 +258,8 @@ def end_stopped_run(stop, step: int, saved, is_logger: bool) -> None:
         if saved and saved.endswith(f"step_{step:06d}"):
             kept = f"checkpoint {saved} saved"
         else:
-            kept = (f"not saved (checkpoint.save_on_sigterm=false); the last checkpoint: "
-                    f"{saved or 'none from this launch'}")
+            kept = (f"not saved ({left_out or 'checkpoint.save_on_sigterm=false'}); the last "
+                    f"checkpoint: {saved or 'none from this launch'}")
         print(f"stopped by {NAMES[signum]} after step {step}: {kept}; resume with --set "
               f"checkpoint.load_path=latest", flush=True)
     raise SystemExit(EXIT_STATUS[signum])

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from picotron.errors import RunStopped
 from picotron.run.divergence import DivergenceCheck
+from picotron.run.skipped_steps import SkippedSteps
 from picotron.utils import flops_per_token, format_step, peak_flops
 
 
@@ -70,7 +70,8 @@ class StepLog:
         # time left is extrapolated from the steps after it: the first pays the warm-up)
         self.tokens_at_start = tokens_seen
         self.clock_start, self.first_logged = time.perf_counter(), None
-        self.last_record, self.skipped_total, self.skipped_in_a_row = None, 0, 0
+        self.last_record = None
+        self.skips = SkippedSteps(config.training, save_dir)   # their streak, and its rules
 
     def _mark(self):
         """A point in time: a CUDA event on the current stream, or the host's clock."""
@@ -137,7 +138,8 @@ class StepLog:
         self.last_record = record
         if self.is_logger and record["step"] % self.config.logging.log_frequency == 0:
             print(format_step(record, on_cpu=self.device.type == "cpu"), flush=True)
-        self._count_skipped(record)
+        self.skips.update(record["step"], record["skipped"], record["loss"], record["grad_norm"],
+                          self.device)
         diverged = self.divergence.update(record["step"], record["loss"])
         if diverged and self.on_diverged is not None:
             self.on_diverged("diverged", diverged)
@@ -154,20 +156,3 @@ class StepLog:
         if done > first_step:
             left = (now - first_time) / (done - first_step) * (total - done)
         return {"total_steps": total, "elapsed_s": now - self.clock_start, "eta_s": left}
-
-    def _count_skipped(self, record) -> None:
-        """Stops the run when training.max_skipped_steps steps in a row were skipped (every
-        rank reads the same values, so every rank stops at the same step)."""
-        skipped = record["skipped"]
-        self.skipped_total += skipped
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        limit = self.config.training.max_skipped_steps
-        if limit and self.skipped_in_a_row >= limit:
-            raise RunStopped(
-                f"the last {self.skipped_in_a_row} steps (to step {record['step']}) were all "
-                f"skipped for a non-finite gradient (loss {record['loss']}, grad norm "
-                f"{record['grad_norm']}): the model no longer trains. Lower "
-                f"training.learning_rate (now {self.config.training.learning_rate:g}), or with "
-                f"float16 use bfloat16; resume from the last checkpoint before it diverged "
-                f"(--set checkpoint.load_path=DIR). training.max_skipped_steps={limit} sets "
-                f"how many skipped steps in a row stop a run (0: never)")

@@ -4,13 +4,12 @@ Without this, a frozen rank (stopped, swapped out, its GPU hung) is noticed only
 collective waiting for it passes `distributed.timeout_s` (300 s by default), and then by a
 healthy rank, whose timeout is what the launcher reports; a dead launcher leaves its workers
 training unsupervised; a dead peer shows as a backend's traceback on every rank; a SIGTERM (a
-scheduler's notice) or a Ctrl-C throws away every step since the last checkpoint.
-
-A GPU that runs out of memory ends the same way, with what the memory plan says would fit.
+scheduler's notice) or a Ctrl-C throws away every step since the last checkpoint. A GPU that
+runs out of memory ends in one line too, with what the memory plan says would fit.
 
 A thread on every rank (`Watchdog`) watches; torch's ops release the GIL, so it runs beside
 the training thread, and a long step or a checkpoint write never looks like a freeze.
-Every `TICK_S` it:
+At least twice a second (heartbeats.QUIET_TICK_S) it:
 - reads the signals the main thread cannot handle while blocked (picotron/run/stop_signals.py);
 - checks the peers on this machine by their process ids (published in the launcher's store):
   a rank that died is named at once, even while this one waits on it in a collective or in a
@@ -24,8 +23,7 @@ heartbeat_s + heartbeat_s / 4), so heartbeat_s defaults to min(60, timeout_s / 2
 refused at timeout_s / 1.25 or above (picotron/config/checks.py): a frozen rank is named
 before its peers' collectives time out. It also renews the run folder's lock
 (picotron/run/run_lock.py), and releases it at the end.
-A store that stops answering is the launcher gone, or, without torchrun, rank 0, which then
-hosts the store.
+A store that stops answering is the launcher gone, or, without torchrun, rank 0 (its host).
 
 Stops every rank agrees on (a signal, a diverged loss) go through the store: the first rank to
 ask publishes the step all stop after, two ahead of its own (a rank can be one step ahead of
@@ -36,6 +34,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -48,8 +47,8 @@ from picotron.checkpoint.verify import latest_written
 from picotron.config.checks import heartbeat_seconds
 from picotron.run.heartbeats import Heartbeats
 from picotron.run.launcher import launcher_store, tell_launcher
-from picotron.run.peers import (BEAT_KEY, DONE_KEY, PROCESS_KEY, STOP_KEY, STOPS_TOO,
-                                LocalPeers, is_peer_failure)
+from picotron.run.peers import (BEAT_KEY, DONE_KEY, PROCESS_KEY, SIGINT_KEY, STOP_KEY,
+                                STOPS_TOO, LocalPeers, is_peer_failure)
 from picotron.plan.memory_plan import out_of_memory_message
 from picotron.run.stop_signals import AT_ONCE_AFTER_S, NAMES, StopSignals
 from picotron.utils import process_gone
@@ -155,7 +154,15 @@ class Watchdog:
                 self.stop = (reason, message)
             elif self.store is None and self.stop is not None:
                 self.stop_step = step
-        return self.stop_step is not None and step >= self.stop_step
+        if self.stop_step is None or step < self.stop_step:
+            return False
+        # Ctrl-C passed on as SIGTERM: at a second signal (a wrapper's copy of a Ctrl-C) while
+        # it passes on the first, torchrun sends SIGTERM to all: ranks not reached yet hear it
+        # alone, and may ask first. Any SIGINT wins.
+        if self.stop[0] == "SIGTERM" and (self.first_sigint is not None or self.store is not
+                                          None and self._store(self.store.check, [SIGINT_KEY])):
+            self.stop = ("SIGINT", NAMES[signal.SIGINT])
+        return True
 
     # ---- the thread -----------------------------------------------------------------------
     def _watch(self) -> None:
@@ -192,6 +199,8 @@ class Watchdog:
             self._stop_at_once()           # a second Ctrl-C, or torchrun's SIGTERM after it
         if signum.name == "SIGINT" and self.first_sigint is None:
             self.first_sigint = now
+            if self.store is not None:
+                self._store(self.store.set, SIGINT_KEY, "heard")
         self.request_stop(signum.name, NAMES[signum])
 
     def _stop_at_once(self) -> None:
@@ -282,7 +291,9 @@ class Watchdog:
             os._exit(3)
 
     def _tell_peers(self, outcome: str) -> None:
-        """Leave why this rank ends in the store, for the ranks that outlive it to relay."""
+        """Leave why this rank ends in the store, for the ranks that outlive it to relay. A
+        store's set is not answered: a check, which is, makes sure it landed before an exit."""
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.set(f"{DONE_KEY}{self.rank}", outcome)
+                self.store.check([f"{DONE_KEY}{self.rank}"])

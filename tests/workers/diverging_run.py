@@ -5,7 +5,10 @@ optimizer step on, as a diverged model's is: the optimizer then skips those step
 
 A learning rate large enough to diverge for real is refused by the config's ranges, and an
 overflow's step depends on the model; this makes the step exact. The weights and the
-gradients stay real: only the norm the optimizer checks is replaced."""
+gradients stay real: only the norm the optimizer checks is replaced. After each optimizer
+step, the sum of every parameter shard is appended to weight_sums.jsonl beside CONFIG, so a
+test can see that a skipped step left the weights as they were."""
+import json
 import os
 import runpy
 import sys
@@ -13,7 +16,8 @@ import sys
 from picotron.data_parallel.optimizer import DistributedAdamW
 
 config, first_bad = sys.argv[1], int(sys.argv[2])
-norm, calls = DistributedAdamW.global_grad_norm, []
+norm, step, calls = DistributedAdamW.global_grad_norm, DistributedAdamW.step, []
+sums = os.path.join(os.path.dirname(os.path.abspath(config)), "weight_sums.jsonl")
 
 
 def diverged(self):
@@ -21,7 +25,14 @@ def diverged(self):
     return norm(self) * (float("nan") if len(calls) >= first_bad else 1.0)
 
 
-DistributedAdamW.global_grad_norm = diverged
+def step_and_record(self, lr):
+    done = step(self, lr)
+    with open(sums, "a") as f:
+        f.write(json.dumps([float(p.double().sum()) for p in self.param_shards]) + "\n")
+    return done
+
+
+DistributedAdamW.global_grad_norm, DistributedAdamW.step = diverged, step_and_record
 train = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))), "train.py")
 sys.argv = [train, "--config", config, *sys.argv[3:]]

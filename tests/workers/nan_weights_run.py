@@ -4,8 +4,9 @@ can undo.
 
     python tests/workers/nan_weights_run.py CONFIG N MODE [train.py flags...]
 
-MODE "save": the run goes on to its next checkpoint; "sigterm": the process also sends
-itself SIGTERM during step N, so it stops after step N and saves it."""
+MODE "save": the run goes on to its next checkpoint (make N a save's step: the steps after
+N are skipped, their loss NaN, and a skipped step is never saved); "sigterm": the process also
+sends itself SIGTERM during step N, so it stops after step N and saves it."""
 import os
 import runpy
 import signal
