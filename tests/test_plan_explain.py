@@ -19,6 +19,7 @@ from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.memory_state import GiB
 from picotron.plan.pipeline_sim import simulate
 from picotron.plan.step_time import layer_pass, predict, stage_times
+from test_plan_cli import one_error_line
 
 Figure = pytest.importorskip("matplotlib.figure").Figure      # explain's one requirement
 ENGINES = {"afab": [], "1f1b": [], "interleaved": ["--set", "distributed.pp_virtual_stages=2"]}
@@ -49,15 +50,6 @@ def drawn(monkeypatch) -> list:
         return save(fig, *args, **kwargs)
     monkeypatch.setattr(Figure, "savefig", keep_bars)
     return figures
-
-
-def one_error_line(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    assert stop.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
 
 
 def test_explain_writes_a_png_of_a_pp2_config(pp2_config, tmp_path, capsys):
