@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_search(args) -> None:
+def run_search(args):
+    """Print the search's heading and report; return its SearchResult (for bench scripts)."""
     from picotron.plan.hardware import load_profile
     from picotron.plan.report import search_report
     from picotron.plan.search import search, search_raw
@@ -72,6 +73,7 @@ def run_search(args) -> None:
     print(f"{args.model_name} on {args.gpus} GPUs ({args.gpus_per_node} per node, profile "
           f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step")
     print(search_report(result, args.top))
+    return result
 
 
 def run_score(args) -> None:

@@ -136,8 +136,9 @@ def draw(config, profile, lanes, out: str) -> str:
     head, numbers = summary(config, profile, lanes).split("\n")
     ax.set_title(f"{head}\n{numbers.split(';')[0]}", fontsize=9, loc="left")
     drawn = {bar.kind for bar in lanes.bars}
-    handles = [Patch(color=c, label=label) for (label, c), kind in zip(LEGEND, LEGEND_KINDS)
-               if kind in drawn]
+    later = " (darker: a later chunk)" if lanes.v > 1 else ""
+    handles = [Patch(color=c, label=label + (later if kind in ("forward", "backward") else ""))
+               for (label, c), kind in zip(LEGEND, LEGEND_KINDS) if kind in drawn]
     handles += [Patch(color=COLORS["held"], label="memory held all step"),
                 Patch(color=COLORS["peak"], label="memory at the peak")]
     fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
