@@ -29,6 +29,9 @@ LEGEND = (("forward", FORWARD[0]), ("backward", BACKWARD[0]),
           ("exposed collectives (tp, cp, ZeRO-3)", COLORS["exposed"]),
           ("send to a neighbouring stage", COLORS["send"]), ("idle", COLORS["idle"]),
           ("gradient reduction, exposed (dp)", COLORS["dp"]), ("optimizer", COLORS["optimizer"]))
+# the bars drawn over others (exposed) or standing for nothing done (idle) are hatched
+STYLES = {"exposed": {"hatch": "////", "edgecolor": "white", "alpha": 0.55},
+          "idle": {"hatch": "..", "edgecolor": "#cccccc"}}
 LEGEND_KINDS = ("forward", "backward", "exposed", "send", "idle", "dp", "optimizer")
 LANE, STRIP = 0.56, 0.12           # heights, in lanes: a rank's compute, its sends beneath
 
@@ -91,9 +94,7 @@ def draw_lanes(ax, lanes, pp: int) -> None:
             y, height = bar.rank + (LANE + STRIP) / 2, STRIP
         else:
             y, height = bar.rank, LANE
-        style = {"hatch": "////", "edgecolor": "white", "alpha": 0.55} if bar.kind == "exposed" \
-            else {"hatch": "..", "edgecolor": "#cccccc"} if bar.kind == "idle" \
-            else {"edgecolor": "white", "linewidth": 0.4}
+        style = STYLES.get(bar.kind, {"edgecolor": "white", "linewidth": 0.4})
         ax.barh(y, width, left=start, height=height, color=bar_color(bar),
                 gid=f"{bar.rank}:{bar.kind}", **style)
         if bar.kind in ("forward", "backward") and bar.end_s - bar.start_s > 0.012 * span:
@@ -137,7 +138,8 @@ def draw(config, profile, lanes, out: str) -> str:
     ax.set_title(f"{head}\n{numbers.split(';')[0]}", fontsize=9, loc="left")
     drawn = {bar.kind for bar in lanes.bars}
     later = " (darker: a later chunk)" if lanes.v > 1 else ""
-    handles = [Patch(color=c, label=label + (later if kind in ("forward", "backward") else ""))
+    handles = [Patch(facecolor=c, **STYLES.get(kind, {}),
+                     label=label + (later if kind in ("forward", "backward") else ""))
                for (label, c), kind in zip(LEGEND, LEGEND_KINDS) if kind in drawn]
     handles += [Patch(color=COLORS["held"], label="memory held all step"),
                 Patch(color=COLORS["peak"], label="memory at the peak")]
