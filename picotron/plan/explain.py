@@ -51,7 +51,8 @@ def layout_of(config) -> str:
     name = layout_name({"dp": d.dp_size, "tp": d.tp_size, "pp": d.pp_size, "cp": d.cp_size,
                         "pp_engine": d.pp_engine, "interleave": d.pp_virtual_stages,
                         "cp_mode": d.cp_mode})
-    return (f"{name}, {t.gradient_accumulation_steps} micro-batches of {t.micro_batch_size} x "
+    micro = t.gradient_accumulation_steps
+    return (f"{name}, {micro} micro-batch{'es' if micro > 1 else ''} of {t.micro_batch_size} x "
             f"{t.seq_length} tokens, ZeRO-{d.zero_stage}, recompute "
             f"{t.activation_checkpointing}, fp8 {t.fp8}")
 
