@@ -13,11 +13,12 @@ import create_config
 from picotron.pipeline_parallel.schedules import schedule_orders
 from picotron.plan.__main__ import main
 from picotron.plan.comm_time import Links, layout_groups
-from picotron.plan.explain import config_for_profile
+from picotron.plan.explain import LEGEND, config_for_profile
 from picotron.plan.hardware import load_profile
 from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.memory_state import GiB
 from picotron.plan.pipeline_sim import simulate
+from picotron.plan.step_lanes import KINDS
 from picotron.plan.step_time import layer_pass, predict, stage_times
 from test_plan_cli import one_error_line
 
@@ -69,6 +70,7 @@ def test_the_lanes_are_the_simulated_pipeline(pp2_config, tmp_path, drawn, engin
     main(["explain", pp2_config, "--hardware", "h200", "--out", str(tmp_path / "s.png")]
          + argv)
     lanes, memory = drawn[-1]
+    assert {gid.split(":")[1] for gid in lanes} <= set(KINDS) == {k for k, _, _ in LEGEND}
     profile = load_profile("h200")
     config = config_for_profile(pp2_config, profile, argv[1::2])
     d, micro = config.distributed, config.training.gradient_accumulation_steps

@@ -25,14 +25,15 @@ FORWARD = ("#9fc5e8", "#6fa8dc", "#3d85c6", "#0b5394")       # chunk 0, 1, 2, 3+
 BACKWARD = ("#f9cb9c", "#f6b26b", "#e69138", "#b45f06")
 COLORS = {"exposed": "#cc0000", "send": "#8e7cc3", "idle": "#f3f3f3", "dp": "#e06666",
           "optimizer": "#93c47d", "held": "#b4a7d6", "peak": "#ffd966"}
-LEGEND = (("forward", FORWARD[0]), ("backward", BACKWARD[0]),
-          ("exposed collectives (tp, cp, ZeRO-3)", COLORS["exposed"]),
-          ("send to a neighbouring stage", COLORS["send"]), ("idle", COLORS["idle"]),
-          ("gradient reduction, exposed (dp)", COLORS["dp"]), ("optimizer", COLORS["optimizer"]))
+LEGEND = (("forward", "forward", FORWARD[0]), ("backward", "backward", BACKWARD[0]),
+          ("exposed", "exposed collectives (tp, cp, ZeRO-3)", COLORS["exposed"]),
+          ("send", "send to a neighbouring stage", COLORS["send"]),
+          ("idle", "idle", COLORS["idle"]),
+          ("dp", "gradient reduction, exposed (dp)", COLORS["dp"]),
+          ("optimizer", "optimizer", COLORS["optimizer"]))          # (kind, label, colour)
 # the bars drawn over others (exposed) or standing for nothing done (idle) are hatched
 STYLES = {"exposed": {"hatch": "////", "edgecolor": "white", "alpha": 0.55},
           "idle": {"hatch": "..", "edgecolor": "#cccccc"}}
-LEGEND_KINDS = ("forward", "backward", "exposed", "send", "idle", "dp", "optimizer")
 LANE, STRIP = 0.56, 0.12           # heights, in lanes: a rank's compute, its sends beneath
 
 
@@ -131,7 +132,7 @@ def draw(config, profile, lanes, out: str) -> str:
     plt = _pyplot()
     from matplotlib.patches import Patch
     pp = config.distributed.pp_size
-    fig, (ax, mem) = plt.subplots(1, 2, figsize=(14, 1.9 + 0.55 * pp), sharey=False,
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(14, 1.9 + 0.55 * pp),
                                   gridspec_kw={"width_ratios": [6, 1]})
     draw_lanes(ax, lanes, pp)
     draw_memory(mem, lanes, profile, pp)
@@ -141,7 +142,7 @@ def draw(config, profile, lanes, out: str) -> str:
     later = " (darker: a later chunk)" if lanes.v > 1 else ""
     handles = [Patch(facecolor=c, **STYLES.get(kind, {}),
                      label=label + (later if kind in ("forward", "backward") else ""))
-               for (label, c), kind in zip(LEGEND, LEGEND_KINDS) if kind in drawn]
+               for kind, label, c in LEGEND if kind in drawn]
     handles += [Patch(color=COLORS["held"], label="memory held all step"),
                 Patch(color=COLORS["peak"], label="memory at the peak")]
     fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
