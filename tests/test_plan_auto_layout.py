@@ -69,3 +69,15 @@ def test_an_impossible_constraint_ends_in_one_line(tmp_path, capsys):
 def test_auto_layout_flags_without_it_are_refused(tmp_path, capsys):
     err = one_error_line(capsys, ["--out_dir", str(tmp_path), "--gpus", "8"])
     assert "--gpus apply only with --auto_layout" in err
+
+
+def test_with_slurm_the_gpus_are_the_allocations(tmp_path, capsys):
+    path = create_config.main(["--out_dir", str(tmp_path), "--exp_name", "auto", "--auto_layout",
+                               "--seq_len", "64", "--global_batch_tokens", "512", "--hardware",
+                               "h200", "--slurm", "--nodes", "2", "--gpus_per_node", "2",
+                               "--partition", "gpu", "--time", "01:00:00"])
+    with open(path) as f:
+        written = knobs(json.load(f))
+    assert written["dp"] * written["tp"] * written["pp"] * written["cp"] == 4
+    assert "auto_layout: 4 GPUs (2 per node" in capsys.readouterr().err
+    assert (tmp_path / "auto" / "slurm.sh").is_file()
