@@ -8,6 +8,8 @@ import os
 import re
 import sys
 
+import pytest
+
 from launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -24,6 +26,7 @@ def page_block(page: str, name: str) -> str:
 
 
 def test_the_pipelines_block_is_the_models(tmp_path):
+    pytest.importorskip("matplotlib")                  # explain draws the block's pictures
     made = plan_figures.pipelines_block(str(tmp_path / "configs"), str(tmp_path))
     assert page_block("docs/pipelines.md", "pipelines") == made, STALE.format("pipelines")
     for engine in plan_figures.ENGINES:
