@@ -6,7 +6,9 @@ a flag and a `--set` or by two `--set`, takes the last, with a warning). The con
 and validated through picotron.config before anything is written, so a bad combination is
 refused here, not at step 3 of a run. Prints the path of the written config. With `--slurm
 --nodes N --gpus_per_node G --partition P --time T` it also writes `slurm.sh` beside it, a
-batch script for several nodes (picotron/run/slurm.py).
+batch script for several nodes (picotron/run/slurm.py). With `--auto_layout --gpus N
+--global_batch_tokens B` the planner chooses every layout knob not given, and prints the
+choice and the runner-up (picotron/plan/auto_layout.py).
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config.checks import config_warnings
 from picotron.config.ranges import unwritable
 from picotron.config.overrides import apply_overrides, parse_flags, repeated_keys
+from picotron.plan.auto_layout import add_auto_layout_flags, auto_layout_problems, choose_layout
 from picotron.run.preflight import local_problems
 from picotron.config.presets import pretrained_weights, resolve_model
 from picotron.run.slurm import add_slurm_flags, slurm_problems, write_slurm_script
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "number as typed: logging.run_name=2024), e.g. --set "
                         "training.warmup_steps=10 --set dataset.tokenizer=gpt2")
     add_slurm_flags(p)                 # --slurm --nodes --gpus_per_node ... (picotron/run/slurm.py)
+    add_auto_layout_flags(p)           # --auto_layout --gpus --global_batch_tokens --hardware
     return p
 
 
@@ -154,7 +158,12 @@ def build_config_dict(args) -> dict:
 def main(argv=None) -> str:
     args = parse_args(argv)
     try:
+        problems = auto_layout_problems(args)
+        if problems:
+            raise ConfigError(problems[0])
         raw = build_config_dict(args)
+        if args.auto_layout:           # the planner's fastest layout, the given knobs kept
+            raw = choose_layout(args, raw)
         # validates types and layout; "auto" options are written as such and resolved on
         # the machine that trains
         config = config_from_dict(raw, resolve=False)
@@ -164,7 +173,10 @@ def main(argv=None) -> str:
                               "for another machine: --skip_local_checks):\n  - "
                               + "\n  - ".join(problems))
         d = config.distributed
-        problems = slurm_problems(args, config.world_size, d.tp_size, d.cp_size)
+        # --gpus_per_node also tells --auto_layout's planner the node size, without --slurm
+        slurm_args = (argparse.Namespace(**{**vars(args), "gpus_per_node": None})
+                      if args.auto_layout and not args.slurm else args)
+        problems = slurm_problems(slurm_args, config.world_size, d.tp_size, d.cp_size)
         if problems:
             raise ConfigError("the SLURM allocation does not fit the config:\n  - "
                               + "\n  - ".join(problems))

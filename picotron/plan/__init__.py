@@ -24,5 +24,9 @@ Reading order (each file needs only the ones before it):
     search.py              every layout of N GPUs the config accepts, scored and ranked
     report.py              the search's table of the fastest layouts and its refusals by reason
     score.py               a prediction for each row of a CSV of layouts
-    __main__.py            `python -m picotron.plan search | score`
+    auto_layout.py         create_config.py's --auto_layout: the search's fastest layout, the
+                           knobs the user gave kept
+    step_lanes.py          one layout's predicted step as bars, a lane per pipeline rank
+    explain.py             those lanes as a picture, each rank's memory beside its lane
+    __main__.py            `python -m picotron.plan search | score | explain`
 """

@@ -1,12 +1,14 @@
-"""`python -m picotron.plan search | score`: which layout for N GPUs, before running.
+"""`python -m picotron.plan search | score | explain`: which layout for N GPUs, before running.
 
     search   --model_name NAME --gpus N [--gpus_per_node 8] --seq_len T
              --global_batch_tokens B --hardware PROFILE: every layout the config accepts,
              scored; the fastest ten, then the refused ones counted by reason
     score    --layouts IN.csv --hardware PROFILE --out OUT.csv: a prediction per row
+    explain  CONFIG [--hardware PROFILE] [--out FILE.png]: one config's predicted step as a
+             picture, a lane per pipeline rank, each rank's memory beside it
 
 Bad input (a model that is not found, an unknown profile, a CSV without some columns, a row
-that is not a layout) ends in one line naming the fix, with exit code 2.
+that is not a layout, a config that does not load, no matplotlib for explain) ends in one line naming the fix, with exit code 2.
 """
 import argparse
 import sys
@@ -21,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m picotron.plan", description=__doc__,
                                 allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = p.add_subparsers(dest="command", required=True, metavar="search|score")
+    commands = p.add_subparsers(dest="command", required=True, metavar="search|score|explain")
     hardware = {"default": DEFAULT_PROFILE,
                 "help": f"the hardware profile, a file of picotron/plan/hardware/ (h200, "
                         f"playbook-h100; default: {DEFAULT_PROFILE})"}
@@ -45,10 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layouts", required=True, help="IN.csv, a layout per row")
     c.add_argument("--hardware", **hardware)
     c.add_argument("--out", required=True, help="OUT.csv: IN.csv plus the predictions")
+    e = commands.add_parser("explain", allow_abbrev=False,
+                            help="draw one config's predicted step")
+    e.add_argument("config", help="a config.json (create_config.py writes one)")
+    e.add_argument("--hardware", **hardware)
+    e.add_argument("--gpus_per_node", type=int, default=8,
+                   help="GPUs per node: groups wider than it cross the slower links "
+                        "(default: 8)")
+    e.add_argument("--out", help="the picture to write, a PNG unless its extension names "
+                                 "another format (default: step.png beside the config)")
+    e.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change a key of the config before drawing it, e.g. "
+                        "distributed.pp_engine=afab")
     return p
 
 
-def run_search(args) -> None:
+def run_search(args):
+    """Print the search's heading and report; return its SearchResult (for bench scripts)."""
     from picotron.plan.hardware import load_profile
     from picotron.plan.report import search_report
     from picotron.plan.search import search, search_raw
@@ -58,6 +73,7 @@ def run_search(args) -> None:
     print(f"{args.model_name} on {args.gpus} GPUs ({args.gpus_per_node} per node, profile "
           f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step")
     print(search_report(result, args.top))
+    return result
 
 
 def run_score(args) -> None:
@@ -65,6 +81,15 @@ def run_score(args) -> None:
     from picotron.plan.score import score
     n = score(args.layouts, load_profile(args.hardware), args.out)
     print(f"wrote {args.out}: {n} rows scored")
+
+
+def run_explain(args) -> None:
+    from picotron.plan.explain import explain
+    from picotron.plan.hardware import load_profile
+    path, text = explain(args.config, load_profile(args.hardware), args.out,
+                         args.gpus_per_node, args.set)
+    print(text)
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> None:
@@ -75,7 +100,8 @@ def main(argv=None) -> None:
             print(f"error: --{name} must be at least 1, got {value}", file=sys.stderr)
             sys.exit(2)
     try:
-        {"search": run_search, "score": run_score}[args.command](args)
+        {"search": run_search, "score": run_score,
+         "explain": run_explain}[args.command](args)
     except (ConfigError, ValueError) as e:     # an unknown profile is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
