@@ -12,7 +12,8 @@ Algorithms (S bytes of the whole buffer, g ranks a node, k nodes, b_in / b_out t
 bus bandwidths inside and between nodes per GPU, l_in / l_out their step latencies):
     all-reduce      hierarchical: a ring inside the node, then the node's shards across nodes:
                     2 (g-1)/g S / b_in + 2 (k-1)/k S / (g b_out)
-                    + latency 2 (g-1) l_in + 2 log2(k) l_out (a tree across nodes)
+                    + latency 2 (g-1) l_in + 2 (k-1) l_out (a ring across nodes too: NCCL's
+                    choice for large messages, whose latency grows with the nodes it spans)
     all-gather, reduce-scatter   half of that: each byte crosses each link once
     all-to-all      each rank sends (size-1)/size of its S: the share for ranks of its node at
                     b_in, the rest at b_out
@@ -42,9 +43,15 @@ def merged_shape(shapes) -> tuple:
 class Links:
     """A profile's links, for the collectives of one layout's groups."""
 
-    def __init__(self, profile):
+    def __init__(self, profile, nodes: int = 1):
+        """`nodes`: the job's. Where the profile's trait `latency_per_node` is set, a step
+        between nodes waits inter_latency_s for each node of the job: every synchronizing
+        step waits for the slowest of them, and the measured runs' stalls grew with the job's
+        size (bench/NOTES.md, "Planner calibration")."""
         self.b_in, self.l_in = profile["intra_bytes_per_s"], profile["intra_latency_s"]
         self.b_out, self.l_out = profile["inter_bytes_per_s"], profile["inter_latency_s"]
+        if profile.traits.get("latency_per_node"):
+            self.l_out *= nodes
 
     def all_reduce(self, nbytes, shape) -> float:
         size, g, k = shape
@@ -59,7 +66,7 @@ class Links:
 
     def _half(self, nbytes, g, k) -> float:
         inside = (g - 1) / g * nbytes / self.b_in + (g - 1) * self.l_in
-        across = (k - 1) / k * nbytes / (g * self.b_out) + math.ceil(math.log2(k)) * self.l_out
+        across = (k - 1) / k * nbytes / (g * self.b_out) + (k - 1) * self.l_out
         return inside + (across if k > 1 else 0.0)
 
     def all_to_all(self, nbytes, shape) -> float:

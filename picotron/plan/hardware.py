@@ -33,6 +33,15 @@ NUMBERS = {
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
     "tp_exposed": "share of tensor-parallel communication left on the critical path",
+    "micro_s": "host time a micro-batch costs each pipeline stage, forward and backward each "
+               "(the engine's Python, its blocking sends' hand-shakes), not hidden by GPU work",
+    "mem_held_factor": "the trainer's memory held all step (weights, gradients, optimizer "
+                       "state) over the memory plan's count of it",
+    "mem_act_factor": "the trainer's activation and end-of-step memory over the memory plan's",
+    "mem_logit_bytes": "bytes a trainer without a fused loss keeps per logit of a micro-batch",
+    "send_s": "a pipeline send's fixed time beyond its bytes and latency (a blocking send's "
+              "hand-shakes)",
+    "mem_extra_gib": "what the trainer holds beyond both (allocator slack, workspaces), GiB",
 }
 TRAITS = {
     "trainer": "whose runs the numbers describe (picotron, nanotron)",

@@ -13,7 +13,8 @@ How a step is put together, following this project's implementation:
    time that hides their ring; ring attention's K/V pass beside each block's attention;
    ZeRO-3's layer gathers are prefetched behind the previous layer's compute.
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
-   the head and loss on the last; the host's launches bound a layer's pass from below.
+   the head and loss on the last, plus the host's fixed time a micro-batch (`micro_s`); the
+   host's launches bound a layer's pass from below.
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
 4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
    that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
@@ -47,8 +48,18 @@ class Prediction:
 
 
 def memory_fit(config, profile):
-    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU."""
-    need = estimate(config).device_bytes
+    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
+    profile of another trainer, its memory is the plan's held part and the rest scaled by the
+    profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
+    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
+    e = estimate(config)
+    held = sum(r.bytes for r in e.rows if r.when == "held")
+    t, d = config.training, config.distributed
+    logits = t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
+                                                                  d.tp_size)
+    need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
+        e.device_bytes - held) + profile["mem_logit_bytes"] * logits
+        + profile["mem_extra_gib"] * GiB)
     usable = profile["memory_gib"] * GiB - GPU_RESERVED
     if need <= usable:
         return need / GiB, True, ""
@@ -96,8 +107,8 @@ def stage_times(config, profile, layer_f, layer_b):
     ends = ends_time(config, profile)
     forward, backward = [], []
     for s, held in enumerate(layers):
-        f = len(held) * layer_f + ends["micro"][0]
-        b = len(held) * layer_b + ends["micro"][1]
+        f = len(held) * layer_f + ends["micro"][0] + profile["micro_s"]
+        b = len(held) * layer_b + ends["micro"][1] + profile["micro_s"]
         for end, on in (("embed", s == 0), ("head", s == len(layers) - 1)):
             if on:
                 f, b = f + ends[end][0], b + ends[end][1]
@@ -150,7 +161,7 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
     """The predicted step of `config` (a Config the config's checks accepted) on `profile`'s
     machines with `gpus_per_node` GPUs a node (module docstring)."""
     d, t = config.distributed, config.training
-    links = Links(profile)
+    links = Links(profile, max(1, -(-config.world_size // gpus_per_node)))
     groups = layout_groups(config, profile, gpus_per_node)
     layer_f, layer_b, part_f, part_b = layer_pass(config, profile, links, groups)
     forward, backward, v = stage_times(config, profile, layer_f, layer_b)
@@ -160,7 +171,7 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
         tokens = t.micro_batch_size * t.seq_length // d.cp_size
         act = tokens * config.model.hidden_size * BF16
         act /= d.tp_size if d.sequence_parallel else 1
-        send = links.send(act, across_nodes=groups["pp"][2] > 1)
+        send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
     sim = simulate(d.pp_engine if d.pp_size > 1 else "1f1b", d.pp_size, micro, v, forward,
                    backward, send, profile.traits.get("pp_mode", "async"))
     tails, comm_events = [], []
