@@ -120,7 +120,7 @@ def leave_one_model_out(rows, profile, names) -> np.ndarray:
         pred = predicted([rows[i] for i in judged], refit)
         out[judged] = pred / np.array([rows[i]["measured"] for i in judged])
         fitted = ", ".join(f"{k} {refit[k]:.4g}" for k in names)
-        print(f"without {family}: {fitted}", file=sys.stderr)
+        print(f"fit without {family}'s rows: {fitted}")
     return out
 
 
