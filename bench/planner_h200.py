@@ -4,12 +4,13 @@
     python bench/planner_h200.py --fit      # fit the profile's "fit:" numbers, then judge
 
 bench/planner_data/h200_rows.csv holds every one-GPU row of bench/NOTES.md measured by this
-project's training path (bench_speed.py's and bench_fp8.py's "ours" rows, train.py, the
-profiled steps): the layout columns of `python -m picotron.plan score` (the shapes from
-configs/presets, the settings from each row's command), the config keys the row set
-(`training.cuda_graphs`, `training.master_weights`, `distributed.offload_optim_frac`), the
-measured tokens/s, the NOTES entry it comes from (`source`), and `model_lacks`: for a row whose
-time depends on something step_time.py does not model, what that is (empty otherwise).
+project's training path (bench_speed.py's and bench_fp8.py's "ours" rows, train.py, its runs
+in fp8_convergence.py, the profiled steps): the layout columns of `python -m picotron.plan
+score` (the shapes from configs/presets, the settings from each row's command), the config
+keys the row set (`training.cuda_graphs`, `training.master_weights`,
+`distributed.offload_optim_frac`), the measured tokens/s, the NOTES entry it comes from
+(`source`), and `model_lacks`: for a row whose time depends on something step_time.py does not
+model, what that is (empty otherwise).
 
 --fit fits the numbers whose source in picotron/plan/hardware/h200.json starts with "fit:"
 (no others) by least squares on log(predicted / measured) over the rows with an empty
@@ -125,8 +126,9 @@ def leave_one_model_out(rows, profile, names) -> np.ndarray:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", default="h200")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--profile", default="h200",
+                        help="the hardware profile judged (picotron/plan/hardware/NAME.json)")
     parser.add_argument("--rows", default=ROWS, help="the measured rows (CSV)")
     parser.add_argument("--fit", action="store_true",
                         help="refit the profile's 'fit:' numbers to the rows, then judge "
