@@ -7,10 +7,12 @@ bench/planner_judge.py.
 
 The free numbers (FREE, the rest of the profile stays as its sources say), in two fits:
 - memory, linear in its three numbers: the runs' measured peak = mem_held_factor x the memory
-  plan's held bytes + mem_act_factor x the rest + mem_extra_gib, least squares on the
-  relative error over the runs that ran;
-- time: gemm_eff, inter_bytes_per_s, inter_latency_s, tp_exposed, launch_s, micro_s and send_s,
-  minimising the robust (soft L1) sum of log(predicted / measured) tokens/s per GPU over the
+  plan's held bytes + mem_act_factor x the rest + mem_logit_bytes x the micro-batch's logits
+  (the profile's, not fit) + mem_extra_gib, least squares on the relative error over the runs
+  that ran;
+- time: gemm_eff, inter_bytes_per_s, inter_latency_s, tp_exposed, launch_s, micro_s, send_s and
+  mem_pressure_slowdown,
+  minimising the robust (Cauchy) sum of log(predicted / measured) tokens/s per GPU over the
   runs that ran, each (model, nodes) cell weighted alike, on up to --per_cell rows of each
   cell (the predictor is the cost; the report judges every row).
 --write stores the in-sample fit in picotron/plan/hardware/playbook-h100.json. Needs scipy.
@@ -32,41 +34,46 @@ from picotron.plan.hardware import HERE, load_profile
 from picotron.plan.memory_plan import estimate
 from picotron.plan.memory_state import GiB
 
-MEMORY = ("mem_held_factor", "mem_act_factor", "mem_logit_bytes", "mem_extra_gib")
+MEMORY = ("mem_held_factor", "mem_act_factor", "mem_extra_gib")
 # name -> (low, high, fit in log space)
+# the log error beyond which a run counts as an outlier (Cauchy's loss): the runs whose
+# network stalled are 10-100x slower than any model of the step, and must not steer it
+SCALE = 0.2
 FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True), "inter_latency_s": (1e-6, 1e-2, True),
         "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
-        "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True)}
+        "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True),
+        "mem_pressure_slowdown": (0.0, 10.0, False)}
 
 
-def fit_memory(runs) -> dict:
+def fit_memory(profile, runs) -> dict:
     """The MEMORY numbers, by non-negative least squares on predicted / measured - 1 over the
-    runs that ran (linear in the four numbers)."""
+    runs that ran (linear in them); the logits' bytes stay the profile's (the 8B runs alone
+    cannot tell them from the activations, both grow with the micro-batch)."""
+    from scipy.optimize import nnls
     ran = [(row, config) for row, config in runs if row["status"] == "ran"]
-    parts, measured = [], []
+    parts, rest = [], []
     for row, config in ran:
         e = estimate(config)
         held = sum(r.bytes for r in e.rows if r.when == "held")
         t, d = config.training, config.distributed
         logits = t.micro_batch_size * t.seq_length // d.cp_size * -(
             -config.model.vocab_size // d.tp_size)
-        parts.append((held / GiB, (e.device_bytes - held) / GiB, logits / GiB, 1.0))
-        measured.append(float(row["measured_mem_gb"]))
-    from scipy.optimize import nnls
-    x, m = np.array(parts), np.array(measured)
-    coef, _ = nnls(x / m[:, None], np.ones(len(m)))        # no factor below zero
+        parts.append((held / GiB, (e.device_bytes - held) / GiB, 1.0))
+        rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)
+    x, m = np.array(parts), np.array([float(row["measured_mem_gb"]) for row, _ in ran])
+    coef, _ = nnls(x / m[:, None], np.array(rest) / m)     # no factor below zero
     return dict(zip(MEMORY, (float(c) for c in coef)))
 
 
 def fit_time(profile, runs, max_evals) -> dict:
-    """The time numbers of FREE that minimise the soft-L1 log error on the runs that ran."""
+    """The time numbers of FREE that minimise the robust log error on the runs that ran."""
     from scipy.optimize import least_squares
     ran = [r for r in runs if r[0]["status"] == "ran"]
     measured = np.array([float(row["measured_tok_s_gpu"]) for row, _ in ran])
     size = defaultdict(int)
     for row, _ in ran:
         size[(row["model"], row["nodes"])] += 1
-    weight = np.array([size[(row["model"], row["nodes"])] ** -0.5 for row, _ in ran])
+    weight = np.array([1 / size[(row["model"], row["nodes"])] for row, _ in ran])
     to_z = [(math.log if lg else float) for _, _, lg in FREE.values()]
     from_z = [(math.exp if lg else float) for _, _, lg in FREE.values()]
 
@@ -74,16 +81,18 @@ def fit_time(profile, runs, max_evals) -> dict:
         return {k: f(v) for k, f, v in zip(FREE, from_z, z)}
 
     def residuals(z):
+        """sqrt(weight x cauchy(log error)): the squares sum to each cell's robust loss with
+        the cells alike (least_squares' own loss would scale the weights into its f_scale)"""
         p = profile.with_numbers(**numbers(z))
-        pred = np.array([q.tok_s_gpu for q in predictions(p, ran)])
-        return weight * np.log(pred / measured)
+        error = np.log(np.array([q.tok_s_gpu for q in predictions(p, ran)]) / measured)
+        return np.sqrt(weight * SCALE ** 2 * np.log1p((error / SCALE) ** 2))
 
     low = [f(lo) for f, (lo, _, _) in zip(to_z, FREE.values())]
     high = [f(hi) for f, (_, hi, _) in zip(to_z, FREE.values())]
     start = np.clip([f(min(max(profile[k], lo), hi)) for f, k, (lo, hi, _) in
                      zip(to_z, FREE, FREE.values())], low, high)
-    result = least_squares(residuals, start, bounds=(low, high), loss="soft_l1", f_scale=0.3,
-                           max_nfev=max_evals, diff_step=0.05)
+    result = least_squares(residuals, start, bounds=(low, high), max_nfev=max_evals,
+                           diff_step=0.05)
     return numbers(result.x)
 
 
@@ -100,7 +109,7 @@ def subsample(runs, per_cell):
 
 
 def fit(profile, runs, per_cell, max_evals) -> dict:
-    memory = fit_memory(runs)
+    memory = fit_memory(profile, runs)
     timed = fit_time(profile.with_numbers(**memory), subsample(runs, per_cell), max_evals)
     return {**memory, **timed}
 
@@ -143,9 +152,9 @@ def main():
     runs, refused = load_runs()
     when = f"{datetime.date.today()}, CPU"
     print(f"python bench/planner_fit.py --per_cell {args.per_cell} --max_evals "
-          f"{args.max_evals}  ({when}; {len(runs)} rows scored, {refused} refused by the "
-          f"config)")
-    shipped = {k: profile[k] for k in (*MEMORY, *FREE)}
+          f"{args.max_evals}  ({when}; {len(runs)} rows scored, {refused} left out: refused by "
+          f"the config or dp x mbs x grad_acc not their gbs)")
+    shipped = {k: profile[k] for k in ("mem_logit_bytes", *MEMORY, *FREE)}
     print(numbers_line("profile as shipped", shipped))
     print("\n".join(report("as shipped", judge(profile, runs))))
     both = fit(profile, runs, args.per_cell, args.max_evals)

@@ -39,7 +39,8 @@ ROWS = os.path.join(ROOT, "bench", "planner_data", "h200_rows.csv")
 GOAL = 0.10                      # |predicted / measured - 1| the rows are judged against
 # a fit number's bounds: efficiencies are shares of a peak; a half-size is a GEMM side
 BOUNDS = {"gemm_eff": (0.05, 1.0), "fp8_gemm_eff": (0.05, 1.0), "attn_eff": (0.05, 1.0),
-          "gemm_half_dim": (1.0, 4096.0), "attn_half_seq": (1.0, 65536.0)}
+          "gemm_half_dim": (1.0, 4096.0), "attn_half_seq": (1.0, 65536.0),
+          "launch_s": (1e-6, 1e-2), "fp8_launch_factor": (1.0, 4.0)}
 
 
 def read_rows(path=ROWS) -> list:

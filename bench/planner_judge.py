@@ -31,11 +31,15 @@ GOALS = {"picks": 0.8, "spearman": 0.8, "error": 0.15, "fit": 0.95}
 
 def load_runs(path=DATA):
     """[(row, Config)] of every row the config accepts, and the count of those it refuses (a
-    pipeline deeper than the layers). nanotron's REDUCE_SCATTER mode is sequence
-    parallelism; it was on wherever tp > 1."""
+    pipeline deeper than the layers) or that contradict themselves (dp x mbs x grad_acc is
+    not their global batch `gbs`: 20 rows of the figure). nanotron's REDUCE_SCATTER mode is
+    sequence parallelism; it was on wherever tp > 1."""
     runs, refused = [], 0
     with open(path) as f:
         for row in csv.DictReader(f):
+            if int(row["dp"]) * int(row["mbs"]) * int(row["grad_acc"]) != int(row["gbs"]):
+                refused += 1
+                continue
             layout = dict(row, **{"distributed.sequence_parallel":
                                   "true" if int(row["tp"]) > 1 else "false"})
             try:

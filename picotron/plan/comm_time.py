@@ -43,15 +43,9 @@ def merged_shape(shapes) -> tuple:
 class Links:
     """A profile's links, for the collectives of one layout's groups."""
 
-    def __init__(self, profile, nodes: int = 1):
-        """`nodes`: the job's. Where the profile's trait `latency_per_node` is set, a step
-        between nodes waits inter_latency_s for each node of the job: every synchronizing
-        step waits for the slowest of them, and the measured runs' stalls grew with the job's
-        size (bench/NOTES.md, "Planner calibration")."""
+    def __init__(self, profile):
         self.b_in, self.l_in = profile["intra_bytes_per_s"], profile["intra_latency_s"]
         self.b_out, self.l_out = profile["inter_bytes_per_s"], profile["inter_latency_s"]
-        if profile.traits.get("latency_per_node"):
-            self.l_out *= nodes
 
     def all_reduce(self, nbytes, shape) -> float:
         size, g, k = shape

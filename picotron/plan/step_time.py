@@ -14,11 +14,12 @@ How a step is put together, following this project's implementation:
    ZeRO-3's layer gathers are prefetched behind the previous layer's compute.
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
    the head and loss on the last, plus the host's fixed time a micro-batch (`micro_s`); the
-   host's launches bound a layer's pass from below.
+   host's launches bound an eager layer's pass from below (not under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
 4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
    that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
-   block by block in the next forward where the trainer overlaps it; the optimizer's passes.
+   block by block in the next forward where the trainer overlaps it; the optimizer's passes,
+   and the host's AdamW for the share offloaded to it.
 """
 import dataclasses
 from collections.abc import Sequence
@@ -94,7 +95,10 @@ def layer_pass(config, profile, links, groups):
         z3_b = max(0.0, again + scatter - compute_b)
     exposed_f = {"compute": compute_f, "tp": tp_f, "cp": cp_f, "dp": z3_f}
     exposed_b = {"compute": compute_b, "tp": tp_b, "cp": cp_b, "dp": z3_b}
-    launch = profile["launch_s"]
+    # the host launches an eager layer's kernels one by one: its time bounds the pass from
+    # below; CUDA graphs replay the captured layers with one launch
+    launch = 0.0 if config.training.cuda_graphs is True else profile["launch_s"] * (
+        profile["fp8_launch_factor"] if config.training.fp8 != "none" else 1.0)
     return (max(sum(exposed_f.values()), launch), max(sum(exposed_b.values()), 2 * launch),
             exposed_f, exposed_b)
 
@@ -136,7 +140,11 @@ def after_backward(config, profile, links, groups, pp_rank, last_backward, first
         reduce = max(min(bucket, reduce), reduce - last_backward)
     if gather and d.overlap_param_gather and profile.traits.get("zero1_gather_overlap"):
         gather = max(0.0, gather - first_forward)
-    return reduce + gather, optimizer_s(config, profile, params)
+    # the offloaded share of AdamW steps on the host after backward, with its copies, not
+    # overlapped with the GPU's work (the offload plug-in steps it serially)
+    shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
+    host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
+    return reduce + gather, optimizer_s(config, profile, params) + host
 
 
 class _Joined(Sequence):
@@ -161,7 +169,7 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
     """The predicted step of `config` (a Config the config's checks accepted) on `profile`'s
     machines with `gpus_per_node` GPUs a node (module docstring)."""
     d, t = config.distributed, config.training
-    links = Links(profile, max(1, -(-config.world_size // gpus_per_node)))
+    links = Links(profile)
     groups = layout_groups(config, profile, gpus_per_node)
     layer_f, layer_b, part_f, part_b = layer_pass(config, profile, links, groups)
     forward, backward, v = stage_times(config, profile, layer_f, layer_b)
@@ -197,6 +205,13 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
     mem, fits, note = memory_fit(config, profile)
+    # a trainer whose allocator thrashes near the GPU's limit (frees and retries every step)
+    # slows by up to 1 + mem_pressure_slowdown, from mem_pressure_share of the usable memory
+    usable = profile["memory_gib"] - GPU_RESERVED / GiB
+    share = profile["mem_pressure_share"]
+    if mem > share * usable and share < 1:
+        step *= 1 + profile["mem_pressure_slowdown"] * min(1.0, (mem / usable - share) /
+                                                           (1 - share))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
