@@ -1,7 +1,7 @@
 """The time model's terms for a trainer other than this one (a profile fit to its runs): its
-memory from the memory plan's parts scaled by the profile's factors, a micro-batch's host
-cost, a pipeline send's hand-shake, a ring's latency across nodes, and the slowdown of a step
-near the GPU's memory limit. Each
+memory from the memory plan's parts scaled by the profile's factors and the margin it must
+leave free, a micro-batch's host
+cost, a pipeline send's hand-shake, and a ring's latency across nodes. Each
 is checked against the model's own parts with the term set and unset, so a term that stopped
 reaching the prediction fails here. CPU only: the model is arithmetic."""
 import pytest
@@ -16,7 +16,7 @@ from picotron.plan.step_time import predict
 ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
            gpus=16, gpus_per_node=8, dp=2, tp=2, pp=2, cp=2, zero=1, mbs=2, grad_acc=4)
 PLAIN = dict(mem_held_factor=1.0, mem_act_factor=1.0, mem_logit_bytes=0.0, mem_extra_gib=0.0,
-             micro_s=0.0, send_s=0.0, mem_pressure_share=1.0, mem_pressure_slowdown=0.0)
+             micro_s=0.0, send_s=0.0, mem_margin=0.0)
 
 
 def plain_profile():
@@ -67,14 +67,13 @@ def test_ring_latency_across_nodes_grows_with_the_nodes_it_spans():
     assert links.all_gather(1, (4, 1, 4)) == pytest.approx(3e-3)
 
 
-def test_a_step_near_the_memory_limit_slows_by_the_profiles_ramp():
+
+def test_a_layout_must_leave_the_profiles_margin_free_to_fit():
     config = config_for(ROW)
-    base = predict(config, plain_profile(), 8)
+    need = predict(config, plain_profile(), 8).mem_gib
     usable = plain_profile()["memory_gib"] - GPU_RESERVED / GiB
-    at = base.mem_gib / usable                  # the share of the GPU this layout needs
-    ramp = plain_profile().with_numbers(mem_pressure_share=at / 2, mem_pressure_slowdown=3.0)
-    assert predict(config, ramp, 8).step_s == pytest.approx(base.step_s * (1 + 3.0 * min(
-        1.0, (at - at / 2) / (1 - at / 2))), rel=1e-9)
-    above = plain_profile().with_numbers(mem_pressure_share=min(0.99, 2 * at),
-                                         mem_pressure_slowdown=3.0)
-    assert predict(config, above, 8).step_s == base.step_s
+    just_fits = plain_profile().with_numbers(mem_margin=0.99 * (1 - need / usable))
+    too_tight = plain_profile().with_numbers(mem_margin=1.01 * (1 - need / usable))
+    assert predict(config, just_fits, 8).fits
+    refused = predict(config, too_tight, 8)
+    assert not refused.fits and "GiB usable" in refused.note

@@ -50,9 +50,8 @@ NUMBERS = {
     "mem_logit_bytes": "bytes a trainer without a fused loss keeps per logit of a micro-batch",
     "send_s": "a pipeline send's fixed time beyond its bytes and latency (a blocking send's "
               "hand-shakes)",
-    "mem_pressure_share": "share of the usable memory above which the trainer's step slows "
-                          "(its allocator frees and retries); 1: never",
-    "mem_pressure_slowdown": "how much slower a step is at the limit, over the step's time",
+    "mem_margin": "share of the usable memory a layout must leave free to be predicted to fit "
+                  "(the trainer's memory is predicted only that well)",
     "mem_extra_gib": "what the trainer holds beyond both (allocator slack, workspaces), GiB",
 }
 TRAITS = {
@@ -60,6 +59,11 @@ TRAITS = {
     "rank_order": "the grid's axes, outermost first (tp innermost: its group shares a node)",
     "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
+    # said, not read: how the trainer differs from this one where a fitted number absorbs it
+    "tp_overlap": "whether its tensor-parallel collectives overlap compute",
+    "pp_sends": "how its pipeline sends meet",
+    "zero": "how its ZeRO reduces gradients and gathers parameters",
+    "loss": "how its loss holds the logits",
 }
 
 

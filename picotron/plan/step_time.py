@@ -61,7 +61,9 @@ def memory_fit(config, profile):
     need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
         e.device_bytes - held) + profile["mem_logit_bytes"] * logits
         + profile["mem_extra_gib"] * GiB)
-    usable = profile["memory_gib"] * GiB - GPU_RESERVED
+    # a trainer whose memory the profile predicts only within some error must leave
+    # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
+    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
     if need <= usable:
         return need / GiB, True, ""
     return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
@@ -205,13 +207,6 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
     mem, fits, note = memory_fit(config, profile)
-    # a trainer whose allocator thrashes near the GPU's limit (frees and retries every step)
-    # slows by up to 1 + mem_pressure_slowdown, from mem_pressure_share of the usable memory
-    usable = profile["memory_gib"] - GPU_RESERVED / GiB
-    share = profile["mem_pressure_share"]
-    if mem > share * usable and share < 1:
-        step *= 1 + profile["mem_pressure_slowdown"] * min(1.0, (mem / usable - share) /
-                                                           (1 - share))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
