@@ -52,7 +52,9 @@ def test_send_time_lengthens_the_step_and_shows_in_the_timeline():
     assert per_rank == pytest.approx({r: 8 * 3.0 for r in range(4)})
 
 
-@pytest.mark.parametrize("profile", ["h200", "playbook-h100"])
+# this project's own profile; another trainer's memory is the plan's parts scaled by its
+# profile (tests/test_plan_trainer_terms.py)
+@pytest.mark.parametrize("profile", ["h200"])
 @pytest.mark.parametrize("changes", [{}, {"zero": 3}, {"pp_engine": "afab"},
                                      {"pp_engine": "interleaved:2", "grad_acc": 4},
                                      {"recompute": "full", "distributed.cp_mode": "ulysses"}])

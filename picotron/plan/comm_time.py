@@ -12,7 +12,8 @@ Algorithms (S bytes of the whole buffer, g ranks a node, k nodes, b_in / b_out t
 bus bandwidths inside and between nodes per GPU, l_in / l_out their step latencies):
     all-reduce      hierarchical: a ring inside the node, then the node's shards across nodes:
                     2 (g-1)/g S / b_in + 2 (k-1)/k S / (g b_out)
-                    + latency 2 (g-1) l_in + 2 log2(k) l_out (a tree across nodes)
+                    + latency 2 (g-1) l_in + 2 (k-1) l_out (a ring across nodes too: NCCL's
+                    choice for large messages, whose latency grows with the nodes it spans)
     all-gather, reduce-scatter   half of that: each byte crosses each link once
     all-to-all      each rank sends (size-1)/size of its S: the share for ranks of its node at
                     b_in, the rest at b_out
@@ -59,7 +60,7 @@ class Links:
 
     def _half(self, nbytes, g, k) -> float:
         inside = (g - 1) / g * nbytes / self.b_in + (g - 1) * self.l_in
-        across = (k - 1) / k * nbytes / (g * self.b_out) + math.ceil(math.log2(k)) * self.l_out
+        across = (k - 1) / k * nbytes / (g * self.b_out) + (k - 1) * self.l_out
         return inside + (across if k > 1 else 0.0)
 
     def all_to_all(self, nbytes, shape) -> float:

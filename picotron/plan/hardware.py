@@ -1,6 +1,7 @@
 """Hardware profiles as data: one JSON file per machine type in picotron/plan/hardware/, every
-number beside its source (a datasheet, a measurement in bench/NOTES.md, or a fit by
-bench/planner_fit.py), and the traits of the trainer whose runs it was fit to.
+number beside its source (a datasheet, a measurement in bench/NOTES.md, or a fit: h200's by
+bench/planner_h200.py to this project's one-GPU rows, playbook-h100's by bench/planner_fit.py
+to the Ultra-Scale Playbook's runs), and the traits of the trainer whose runs it was fit to.
 
     {"name": "h200", "about": "...",
      "numbers": {"peak_bf16_flops": {"value": 989.5e12, "source": "datasheet: ..."}, ...},
@@ -8,7 +9,10 @@ bench/planner_fit.py), and the traits of the trainer whose runs it was fit to.
 
 The numbers every profile gives (NUMBERS) are what step_time.py's model reads: the GPU's
 peaks and how much of them a kernel of a given shape reaches, the links' bandwidths and
-latencies inside a node and between nodes, and the host's time per kernel launch.
+latencies inside a node and between nodes, the host's time per kernel launch, and, for a
+profile fit to another trainer's runs, what that trainer adds: its host time a micro-batch
+and a send, and its memory against the memory plan's count (this project's own profiles set
+these to 0 and 1).
 """
 import dataclasses
 import json
@@ -27,18 +31,39 @@ NUMBERS = {
     "attn_half_seq": "the sequence length at which attention's efficiency halves",
     "hbm_bytes_per_s": "HBM bandwidth a bandwidth-bound kernel reaches, B/s",
     "non_gemm_factor": "time of the passes outside GEMMs and attention over their bytes' floor",
-    "launch_s": "host time per layer per pass (kernel launches, Python), overlapped by GPU work",
+    "launch_s": "host time per eager layer per pass (kernel launches, Python), overlapped by "
+                "GPU work (none under CUDA graphs)",
+    "fp8_launch_factor": "an eager FP8 layer's host time over a bf16 one's (its casts' and "
+                         "scales' kernels)",
+    "offload_s_per_param": "host AdamW and copies per parameter of the state offloaded to the "
+                           "CPU, s",
     "intra_bytes_per_s": "a collective's bus bandwidth inside a node, per GPU, B/s",
     "intra_latency_s": "latency of one step of a collective inside a node, s",
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
     "tp_exposed": "share of tensor-parallel communication left on the critical path",
+    "micro_s": "host time a micro-batch costs each pipeline stage, forward and backward each "
+               "(the engine's Python, its blocking sends' hand-shakes), not hidden by GPU work",
+    "mem_held_factor": "the trainer's memory held all step (weights, gradients, optimizer "
+                       "state) over the memory plan's count of it",
+    "mem_act_factor": "the trainer's activation and end-of-step memory over the memory plan's",
+    "mem_logit_bytes": "bytes a trainer without a fused loss keeps per logit of a micro-batch",
+    "send_s": "a pipeline send's fixed time beyond its bytes and latency (a blocking send's "
+              "hand-shakes)",
+    "mem_margin": "share of the usable memory a layout must leave free to be predicted to fit "
+                  "(the trainer's memory is predicted only that well)",
+    "mem_extra_gib": "what the trainer holds beyond both (allocator slack, workspaces), GiB",
 }
 TRAITS = {
     "trainer": "whose runs the numbers describe (picotron, nanotron)",
     "rank_order": "the grid's axes, outermost first (tp innermost: its group shares a node)",
     "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
+    # said, not read: how the trainer differs from this one where a fitted number absorbs it
+    "tp_overlap": "whether its tensor-parallel collectives overlap compute",
+    "pp_sends": "how its pipeline sends meet",
+    "zero": "how its ZeRO reduces gradients and gathers parameters",
+    "loss": "how its loss holds the logits",
 }
 
 

@@ -13,11 +13,13 @@ How a step is put together, following this project's implementation:
    time that hides their ring; ring attention's K/V pass beside each block's attention;
    ZeRO-3's layer gathers are prefetched behind the previous layer's compute.
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
-   the head and loss on the last; the host's launches bound a layer's pass from below.
+   the head and loss on the last, plus the host's fixed time a micro-batch (`micro_s`); the
+   host's launches bound an eager layer's pass from below (not under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
 4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
    that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
-   block by block in the next forward where the trainer overlaps it; the optimizer's passes.
+   block by block in the next forward where the trainer overlaps it; the optimizer's passes,
+   and the host's AdamW for the share offloaded to it.
 """
 import dataclasses
 from collections.abc import Sequence
@@ -47,9 +49,21 @@ class Prediction:
 
 
 def memory_fit(config, profile):
-    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU."""
-    need = estimate(config).device_bytes
-    usable = profile["memory_gib"] * GiB - GPU_RESERVED
+    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
+    profile of another trainer, its memory is the plan's held part and the rest scaled by the
+    profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
+    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
+    e = estimate(config)
+    held = sum(r.bytes for r in e.rows if r.when == "held")
+    t, d = config.training, config.distributed
+    logits = t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
+                                                                  d.tp_size)
+    need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
+        e.device_bytes - held) + profile["mem_logit_bytes"] * logits
+        + profile["mem_extra_gib"] * GiB)
+    # a trainer whose memory the profile predicts only within some error must leave
+    # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
+    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
     if need <= usable:
         return need / GiB, True, ""
     return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
@@ -83,7 +97,10 @@ def layer_pass(config, profile, links, groups):
         z3_b = max(0.0, again + scatter - compute_b)
     exposed_f = {"compute": compute_f, "tp": tp_f, "cp": cp_f, "dp": z3_f}
     exposed_b = {"compute": compute_b, "tp": tp_b, "cp": cp_b, "dp": z3_b}
-    launch = profile["launch_s"]
+    # the host launches an eager layer's kernels one by one: its time bounds the pass from
+    # below; CUDA graphs replay the captured layers with one launch
+    launch = 0.0 if config.training.cuda_graphs is True else profile["launch_s"] * (
+        profile["fp8_launch_factor"] if config.training.fp8 != "none" else 1.0)
     return (max(sum(exposed_f.values()), launch), max(sum(exposed_b.values()), 2 * launch),
             exposed_f, exposed_b)
 
@@ -96,8 +113,8 @@ def stage_times(config, profile, layer_f, layer_b):
     ends = ends_time(config, profile)
     forward, backward = [], []
     for s, held in enumerate(layers):
-        f = len(held) * layer_f + ends["micro"][0]
-        b = len(held) * layer_b + ends["micro"][1]
+        f = len(held) * layer_f + ends["micro"][0] + profile["micro_s"]
+        b = len(held) * layer_b + ends["micro"][1] + profile["micro_s"]
         for end, on in (("embed", s == 0), ("head", s == len(layers) - 1)):
             if on:
                 f, b = f + ends[end][0], b + ends[end][1]
@@ -125,7 +142,11 @@ def after_backward(config, profile, links, groups, pp_rank, last_backward, first
         reduce = max(min(bucket, reduce), reduce - last_backward)
     if gather and d.overlap_param_gather and profile.traits.get("zero1_gather_overlap"):
         gather = max(0.0, gather - first_forward)
-    return reduce + gather, optimizer_s(config, profile, params)
+    # the offloaded share of AdamW steps on the host after backward, with its copies, not
+    # overlapped with the GPU's work (the offload plug-in steps it serially)
+    shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
+    host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
+    return reduce + gather, optimizer_s(config, profile, params) + host
 
 
 class _Joined(Sequence):
@@ -160,7 +181,7 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
         tokens = t.micro_batch_size * t.seq_length // d.cp_size
         act = tokens * config.model.hidden_size * BF16
         act /= d.tp_size if d.sequence_parallel else 1
-        send = links.send(act, across_nodes=groups["pp"][2] > 1)
+        send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
     sim = simulate(d.pp_engine if d.pp_size > 1 else "1f1b", d.pp_size, micro, v, forward,
                    backward, send, profile.traits.get("pp_mode", "async"))
     tails, comm_events = [], []

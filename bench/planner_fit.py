@@ -1,0 +1,182 @@
+"""Fit the playbook-h100 profile's free numbers to the Ultra-Scale Playbook's measured runs
+(bench/planner_data/calibration.csv) and report how well the planner predicts them, in sample
+and leave-one-model-out (fit on 1B, judge 8B, and the reverse), by the four measures of
+bench/planner_judge.py.
+
+    python bench/planner_fit.py [--per_cell 30] [--max_evals 60] [--write]
+
+The free numbers (FREE, the rest of the profile stays as its sources say), in two fits:
+- memory, linear in its three numbers: the runs' measured peak = mem_held_factor x the memory
+  plan's held bytes + mem_act_factor x the rest + mem_logit_bytes x the micro-batch's logits
+  (the profile's, not fit) + mem_extra_gib, least squares on the relative error over the runs
+  that ran; then mem_margin, the share of the GPU a layout must leave free to be predicted to
+  fit, the largest that keeps 97% of the runs that ran predicted to fit;
+- time: gemm_eff, inter_bytes_per_s, inter_latency_s, tp_exposed, launch_s, micro_s and send_s,
+  minimising the robust (Cauchy) sum of log(predicted / measured) tokens/s per GPU over the
+  runs that ran, each (model, nodes) cell weighted alike, on up to --per_cell rows of each
+  cell (the predictor is the cost; the report judges every row).
+--write stores the in-sample fit in picotron/plan/hardware/playbook-h100.json. Needs scipy.
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+from collections import defaultdict
+
+import numpy as np
+
+from planner_judge import ROOT, judge, load_runs, predictions, report
+
+from picotron.plan.hardware import HERE, load_profile
+from picotron.plan.memory_plan import GPU_RESERVED, estimate
+from picotron.plan.memory_state import GiB
+
+MEMORY = ("mem_held_factor", "mem_act_factor", "mem_extra_gib")
+# the share of the runs that ran the memory margin keeps predicted to fit (the goal is 95%)
+FIT_KEPT = 0.97
+# name -> (low, high, fit in log space)
+# the log error beyond which a run counts as an outlier (Cauchy's loss): the runs whose
+# network stalled are 10-100x slower than any model of the step, and must not steer it
+SCALE = 0.2
+FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True), "inter_latency_s": (1e-6, 1e-2, True),
+        "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
+        "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True)}
+
+
+def fit_memory(profile, runs) -> dict:
+    """The MEMORY numbers, by non-negative least squares on predicted / measured - 1 over the
+    runs that ran (linear in them); the logits' bytes stay the profile's (the 8B runs alone
+    cannot tell them from the activations, both grow with the micro-batch)."""
+    from scipy.optimize import nnls
+    ran = [(row, config) for row, config in runs if row["status"] == "ran"]
+    parts, rest = [], []
+    for row, config in ran:
+        e = estimate(config)
+        held = sum(r.bytes for r in e.rows if r.when == "held")
+        t, d = config.training, config.distributed
+        logits = t.micro_batch_size * t.seq_length // d.cp_size * -(
+            -config.model.vocab_size // d.tp_size)
+        parts.append((held / GiB, (e.device_bytes - held) / GiB, 1.0))
+        rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)
+    x, m = np.array(parts), np.array([float(row["measured_mem_gb"]) for row, _ in ran])
+    coef, _ = nnls(x / m[:, None], np.array(rest) / m)     # no factor below zero
+    numbers = dict(zip(MEMORY, (float(c) for c in coef)))
+    # the margin: the largest share of the usable memory the runs that ran leave free, but
+    # for FIT_KEPT of them (their predicted memory is off by about a fifth, median)
+    need = x @ coef + (m - np.array(rest))
+    usable = profile["memory_gib"] - GPU_RESERVED / GiB
+    numbers["mem_margin"] = max(0.0, float(1 - np.quantile(need, FIT_KEPT) / usable))
+    return numbers
+
+
+def fit_time(profile, runs, max_evals) -> dict:
+    """The time numbers of FREE that minimise the robust log error on the runs that ran."""
+    from scipy.optimize import least_squares
+    ran = [r for r in runs if r[0]["status"] == "ran"]
+    measured = np.array([float(row["measured_tok_s_gpu"]) for row, _ in ran])
+    size = defaultdict(int)
+    for row, _ in ran:
+        size[(row["model"], row["nodes"])] += 1
+    weight = np.array([1 / size[(row["model"], row["nodes"])] for row, _ in ran])
+    to_z = [(math.log if lg else float) for _, _, lg in FREE.values()]
+    from_z = [(math.exp if lg else float) for _, _, lg in FREE.values()]
+
+    def numbers(z):
+        return {k: f(v) for k, f, v in zip(FREE, from_z, z)}
+
+    def residuals(z):
+        """sqrt(weight x cauchy(log error)): the squares sum to each cell's robust loss with
+        the cells alike (least_squares' own loss would scale the weights into its f_scale)"""
+        p = profile.with_numbers(**numbers(z))
+        error = np.log(np.array([q.tok_s_gpu for q in predictions(p, ran)]) / measured)
+        return np.sqrt(weight * SCALE ** 2 * np.log1p((error / SCALE) ** 2))
+
+    low = [f(lo) for f, (lo, _, _) in zip(to_z, FREE.values())]
+    high = [f(hi) for f, (_, hi, _) in zip(to_z, FREE.values())]
+    start = np.clip([f(min(max(profile[k], lo), hi)) for f, k, (lo, hi, _) in
+                     zip(to_z, FREE, FREE.values())], low, high)
+    result = least_squares(residuals, start, bounds=(low, high), max_nfev=max_evals,
+                           diff_step=0.05)
+    return numbers(result.x)
+
+
+def subsample(runs, per_cell):
+    """Up to `per_cell` rows of each (model, nodes) cell, evenly spread."""
+    cells = defaultdict(list)
+    for r in runs:
+        cells[(r[0]["model"], int(r[0]["nodes"]))].append(r)
+    out = []
+    for rows in cells.values():
+        step = max(1, len(rows) // per_cell)
+        out += rows[::step][:per_cell]
+    return out
+
+
+def fit(profile, runs, per_cell, max_evals) -> dict:
+    memory = fit_memory(profile, runs)
+    timed = fit_time(profile.with_numbers(**memory), subsample(runs, per_cell), max_evals)
+    return {**memory, **timed}
+
+
+def numbers_line(name, numbers) -> str:
+    return f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in numbers.items())
+
+
+def write_profile(numbers: dict, when: str):
+    """The fit's values into playbook-h100.json, each number's line kept but its value."""
+    path = os.path.join(HERE, "playbook-h100.json")
+    with open(path) as f:
+        text = f.read()
+    for key, value in numbers.items():
+        text, n = re.subn(rf'("{key}": {{"value": )[^,]+', rf"\g<1>{value:.4g}", text)
+        assert n == 1, key
+    json.loads(text)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {os.path.relpath(path, ROOT)} ({when})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--per_cell", type=int, default=30,
+                        help="rows of each (model, nodes) cell the time fit uses")
+    parser.add_argument("--max_evals", type=int, default=60,
+                        help="evaluations of the time fit's least squares")
+    parser.add_argument("--quick", action="store_true",
+                        help="the in-sample fit only, no leave-one-model-out")
+    parser.add_argument("--trait", action="append", default=[], metavar="NAME=JSON",
+                        help="try the profile with a trait changed, e.g. latency_per_node=true")
+    parser.add_argument("--write", action="store_true",
+                        help="store the in-sample fit in the playbook-h100 profile")
+    args = parser.parse_args()
+    profile = load_profile("playbook-h100")
+    for change in args.trait:
+        name, value = change.split("=", 1)
+        profile = dataclasses.replace(profile, traits={**profile.traits, name: json.loads(value)})
+    runs, refused = load_runs()
+    when = f"{datetime.date.today()}, CPU"
+    print(f"python bench/planner_fit.py --per_cell {args.per_cell} --max_evals "
+          f"{args.max_evals}  ({when}; {len(runs)} rows scored, {refused} left out: refused by "
+          f"the config or dp x mbs x grad_acc not their gbs)")
+    shipped = {k: profile[k] for k in ("mem_logit_bytes", *MEMORY, "mem_margin", *FREE)}
+    print(numbers_line("profile as shipped", shipped))
+    print("\n".join(report("as shipped", judge(profile, runs))))
+    both = fit(profile, runs, args.per_cell, args.max_evals)
+    print(numbers_line("fit on both shapes", both))
+    print("\n".join(report("in sample (fit on 1B and 8B, judged on both)",
+                           judge(profile.with_numbers(**both), runs))))
+    for train, test in () if args.quick else (("1B", "8B"), ("8B", "1B")):
+        numbers = fit(profile, [r for r in runs if r[0]["model"] == train], args.per_cell,
+                      args.max_evals)
+        print(numbers_line(f"fit on {train}", numbers))
+        print("\n".join(report(f"leave one model out: fit on {train}, judged on {test}", judge(
+            profile.with_numbers(**numbers), [r for r in runs if r[0]["model"] == test]))))
+    if args.write:
+        write_profile(both, when)
+
+
+if __name__ == "__main__":
+    main()
