@@ -31,6 +31,9 @@ from picotron.plan.hardware import load_profile                         # noqa: 
 from picotron.plan.step_lanes import busy_s, step_lanes                 # noqa: E402
 
 PROFILE = "playbook-h100"
+# the pipelines page teaches this project's engine: drawn on its own profile (H200s, 8 a host),
+# not on the profile fit to another trainer's host costs
+PIPELINE_PROFILE = "h200"
 SMOL_SEARCH = ("search --model_name SmolLM-1.7B --gpus 8 --seq_len 2048 "
                "--global_batch_tokens 1048576 --top 5").split()
 LLAMA_SEARCH = ("search --model_name Llama-3-8B --gpus 64 --seq_len 4096 "
@@ -61,16 +64,17 @@ def write_config(tmp: str, name: str, flags: list) -> tuple:
     return path, f"python create_config.py --out_dir tmp {' '.join(argv)}"
 
 
-def draw(config_path: str, image: str, overrides=(), images: str = IMAGES) -> tuple:
+def draw(config_path: str, image: str, overrides=(), images: str = IMAGES,
+         profile_name: str = PROFILE) -> tuple:
     """(explain's command, its summary, the lanes it drew) for one picture, written to
     `images` (the command names docs/images/, where the pages look)."""
-    profile = load_profile(PROFILE)
+    profile = load_profile(profile_name)
     out = os.path.join(images, image)
     _, summary = explain(config_path, profile, out, 8, overrides)
     lanes = step_lanes(config_for_profile(config_path, profile, overrides), profile, 8)
     sets = "".join(f" --set {o}" for o in overrides)
     name = os.path.basename(os.path.dirname(config_path))
-    command = (f"python -m picotron.plan explain tmp/{name}/config.json --hardware {PROFILE}"
+    command = (f"python -m picotron.plan explain tmp/{name}/config.json --hardware {profile_name}"
                f"{sets} --out docs/images/{image}")
     return command, summary, lanes
 
@@ -109,7 +113,8 @@ def pipelines_block(tmp: str, images: str = IMAGES) -> str:
     pp, micro, v = 4, 8, 2
     for engine, extra in ENGINES.items():
         overrides = [f"distributed.pp_engine={engine}"] + extra
-        explain_command, _, lanes = draw(path, f"pipeline-{engine}.png", overrides, images)
+        explain_command, _, lanes = draw(path, f"pipeline-{engine}.png", overrides, images,
+                                         PIPELINE_PROFILE)
         commands.append(explain_command)
         p = lanes.prediction
         chunks = v if engine == "interleaved" else 1
@@ -128,11 +133,15 @@ def pipelines_block(tmp: str, images: str = IMAGES) -> str:
 def llama_block(tmp: str) -> str:
     text, result = search_text(LLAMA_SEARCH)
     top = result.ranked[0]
-    piped = next((s for s in result.ranked if s.layout["pp"] > 1), None)
+    # beside the top pick, the fastest layout on the other side of the pipeline question
+    staged = top.layout["pp"] > 1
+    other = next((s for s in result.ranked if (s.layout["pp"] > 1) != staged), None)
+    what_other = ("The fastest layout without pipeline stages" if staged else
+                  "The fastest layout with pipeline stages")
     lines = ["```", text, "```", ""]
     model = ["--model_name", "Llama-3-8B", "--seq_len", "4096"]
     for name, scored, what in (("llama8b-top", top, "The top pick"),
-                               ("llama8b-pp", piped, "The fastest layout with pipeline stages")):
+                               ("llama8b-other", other, what_other)):
         if scored is None:
             continue
         path, command = write_config(tmp, name, model + layout_flags(scored.layout))
