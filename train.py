@@ -1,6 +1,7 @@
-"""Train: `torchrun --nproc_per_node N train.py --config tmp/NAME/config.json`, or `python
-train.py --config ...` for one process (N = the config's dp*tp*pp*cp; with no `--config`: the
-debug preset, in tmp/debug).
+"""Train: `python train.py --nproc_per_node N --config tmp/NAME/config.json` starts N workers
+(torchrun's launcher, its flags; `torchrun --nproc_per_node N train.py ...` works as well), or
+`python train.py --config ...` trains in this one process (N = the config's dp*tp*pp*cp; with no
+`--config`: the debug preset, in tmp/debug).
 
 Read top to bottom: set-up (processes, config, grid), build (model on the meta device,
 parallelism, weights), then the training loop.
@@ -30,6 +31,7 @@ from picotron.loss import build_loss
 from picotron.plan.memory_plan import check_memory
 from picotron.run.metrics_log import MetricsLog, import_loggers
 from picotron.model import Decoder, materialize
+from picotron.run.launch_workers import add_launch_flags, launch_workers, wants_launch
 from picotron.run.run_lock import claim_run_dir
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes, device_and_backend
@@ -177,6 +179,7 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a key of the config file for this launch (repeatable, "
                         "checked, recorded in RUN_DIR/launches.jsonl): checkpoint.load_path=latest")
+    add_launch_flags(parser)
     args = parse_flags(parser, argv)
     args.config = args.config or debug_config()      # written on first use, then reused
     return args
@@ -184,6 +187,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if wants_launch(args):     # this process starts the workers, each runs main() below
+        worker_args = ["--config", args.config] + [a for s in args.set for a in ("--set", s)]
+        sys.exit(launch_workers(args, os.path.abspath(__file__), worker_args))
 
     # ---- set-up -------------------------------------------------------------------------
     owns_group, set_up_from = not dist.is_initialized(), time.perf_counter()
@@ -270,8 +276,8 @@ def main(argv=None):
         raise
     watchdog.close()
     if is_logger and start_step < t.total_train_steps:
-        print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path),
-              flush=True)
+        print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path,
+                      stopped=stop), flush=True)
     if stop:              # one line, status 143 (SIGTERM) or 130 (Ctrl-C); diverged: an error
         end_stopped_run(watchdog.stop, watchdog.step, saved, is_logger)
     if owns_group:

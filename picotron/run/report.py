@@ -150,16 +150,18 @@ def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) ->
 
 
 def summary(log, started: float, start_step: int, total_steps: int, val, checkpoint,
-            metrics_path: str) -> str:
+            metrics_path: str, stopped: bool = False) -> str:
     """The run's last line: steps, time, tokens, final losses, where its outputs are.
     `log` is the run's StepLog (its last record and token count), `started` the host clock
     when the loop began, `val` the last validation's metrics record or None, `checkpoint`
-    the last saved directory or None."""
+    the last saved directory or None; `stopped`: a stop cut the run short (it opens with
+    "stopped", not "done", which reads as a finished run)."""
     took = time.perf_counter() - started
     steps = total_steps - start_step
     tokens = log.tokens_seen - log.tokens_at_start
     last = log.last_record or {}
-    parts = [f"done: {steps} steps ({start_step} -> {total_steps}) in {duration(took)}, "
+    ended = "stopped" if stopped else "done"
+    parts = [f"{ended}: {steps} steps ({start_step} -> {total_steps}) in {duration(took)}, "
              f"{tokens:,} tokens ({tokens / max(took, 1e-9):,.0f} tok/s)"]
     if "loss" in last:
         parts.append(f"final loss {last['loss']:.4f}")
