@@ -102,10 +102,14 @@ def launch_args(**given):
     return SimpleNamespace(**{flag[2:]: given.get(flag[2:]) for flag, _, _ in lw.LAUNCH_FLAGS})
 
 
-def test_torchrun_is_given_the_flags_as_typed_and_one_machine_takes_a_free_port():
+def test_torchrun_is_given_the_flags_as_typed_and_one_machine_takes_a_free_port(monkeypatch):
     script = ["train.py", "--config", "c.json"]
+    monkeypatch.setattr(lw, "free_port", lambda: 41234)
     assert lw.torchrun_argv(launch_args(nproc_per_node="4"), *script[:1], script[1:]) == [
-        "--nproc_per_node=4", "--standalone", *script]
+        "--nproc_per_node=4", "--master_port=41234", *script]
+    assert lw.torchrun_argv(launch_args(nproc_per_node="4"), script[0], script[1:], fork=True) \
+        == ["--nproc_per_node=4", "--run-path", "--start-method=fork", "--master_port=41234",
+            *script]
     assert lw.torchrun_argv(launch_args(nproc_per_node="4", master_port="29555"), script[0],
                             script[1:]) == ["--nproc_per_node=4", "--master_port=29555", *script]
     two = launch_args(nproc_per_node="8", nnodes="2", rdzv_backend="c10d",

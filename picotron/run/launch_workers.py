@@ -15,10 +15,24 @@ a flag means what it means there; only the end differs:
   (they stop after the same step and save, picotron/run/watchdog.py), and the launcher ends
   with the workers' status for it, 130 or 143, quietly;
 - the launcher itself failing (a rendezvous that times out): one line, status 1.
+
+Without a GPU, and under the static rendezvous (one machine, or --master_addr), the workers
+are forked from this process (torchrun's `--run-path
+--start-method fork`), which has imported train.py's modules and torch._dynamo (torch.optim
+imports it at an optimizer's first parameter group): each fresh rank would import them again,
+~5 s of CPU, which 16 ranks on 2 cores pay as ~37 s before their first step (bench/NOTES.md,
+"Where a 16-rank start's time goes"). Forking is safe here because this process has run no
+tensor arithmetic (no OpenMP pool), holds no process group and never touched CUDA. Forked
+workers share the terminal's process group: a Ctrl-C reaches each of them directly and again
+from torch's agent within milliseconds, which picotron/run/stop_signals.py counts as one press.
+With a GPU visible the workers are fresh processes, as torchrun starts them: CUDA does not
+survive a fork once any CUDA call (even a device count) was made. So are they under the c10d
+rendezvous, where 16 forked workers waited on a store that never answered.
 """
 import logging
 import os
 import signal
+import socket
 import sys
 
 # the flags that launch, spelled as torchrun spells them: (flag, metavar, help)
@@ -35,8 +49,9 @@ LAUNCH_FLAGS = [
     ("--rdzv_endpoint", "HOST:PORT", "where the c10d rendezvous is hosted"),
     ("--rdzv_id", "ID", "a job id the nodes of one launch share (c10d rendezvous)"),
 ]
-# a one-machine launch with no address given rendezvouses on a free port (torchrun's
-# --standalone), so two runs on one machine never meet at the same default port
+# a one-machine launch with no address given meets on a free port (as torchrun's --standalone,
+# but through the static rendezvous), so two runs on one machine never meet at one port
+LAUNCHER_LOGS = ("torch.distributed", "torch.multiprocessing")     # the launcher's loggers
 ADDRESS_FLAGS = ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
 
 
@@ -52,14 +67,24 @@ def wants_launch(args) -> bool:
     return any(getattr(args, flag[2:]) is not None for flag, _, _ in LAUNCH_FLAGS)
 
 
-def torchrun_argv(args, script: str, worker_args: list) -> list:
-    """The command line torchrun would have been given for this launch."""
+def torchrun_argv(args, script: str, worker_args: list, fork: bool = False) -> list:
+    """The command line torchrun would have been given for this launch (`fork`: workers forked
+    from this process, which runs `script` in each)."""
     given = {flag: getattr(args, flag[2:]) for flag, _, _ in LAUNCH_FLAGS}
     argv = [f"{flag}={value}" for flag, value in given.items() if value is not None]
+    if fork:     # runpy.run_path(script) in a forked copy of this process
+        argv += ["--run-path", "--start-method=fork"]
     single_node = str(args.nnodes or 1) == "1"
     if single_node and all(getattr(args, name) is None for name in ADDRESS_FLAGS):
-        argv.append("--standalone")
+        argv.append(f"--master_port={free_port()}")
     return argv + [script, *worker_args]
+
+
+def free_port() -> int:
+    """A port no one listens on now, on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch_workers(args, script: str, worker_args: list) -> int:
@@ -70,18 +95,21 @@ def launch_workers(args, script: str, worker_args: list) -> int:
               "this process is already a worker of a launcher (torchrun): drop them",
               file=sys.stderr, flush=True)
         return 2
+    import torch
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    # forked workers under the c10d rendezvous hung at 16 ranks (their store never answered):
+    # there, and with a GPU, the workers are fresh processes
+    fork = args.rdzv_backend in (None, "static") and not torch.cuda.is_available()
+    if fork:
+        import torch._dynamo  # noqa: F401  (every rank's optimizer imports it: once, here)
     parser = torchrun.get_args_parser()
     parser.error = lambda message: _refused(message)
-    launch = parser.parse_args(torchrun_argv(args, script, worker_args))
-    if launch.standalone:                    # what torchrun's own run() does for --standalone
-        launch.rdzv_backend, launch.rdzv_endpoint = "c10d", "localhost:0"
-        launch.rdzv_id = launch.rdzv_id or "picotron"
-    _quiet(logging.getLogger("torch.distributed"))
+    launch = parser.parse_args(torchrun_argv(args, script, worker_args, fork))
+    _quiet()
     try:
         config, cmd, cmd_args = torchrun.config_from_args(launch)
         elastic_launch(config, cmd)(*cmd_args)
@@ -112,16 +140,18 @@ def _workers_status(failures: dict) -> int:
     return 128 - failure.exitcode
 
 
-def _quiet(logger) -> None:
+def _quiet() -> None:
     """torch's launcher logs each signal it passes on, each worker it closes and each failure,
-    to stderr through the handlers of the "torch.distributed" logger; the workers already say
-    how the run ended, and the launcher's own failures are raised (`launch_workers` says
-    them), so in this process those handlers are silenced."""
-    for handler in logger.handlers:
-        handler.addFilter(lambda record: False)
-    if not logger.handlers:           # records would reach Python's last-resort handler
-        logger.addHandler(logging.NullHandler())
-        logger.propagate = False
+    to stderr through the handlers of the "torch" and "torch.distributed" loggers; the
+    workers already say how the run ended, and the launcher's own failures are raised
+    (`launch_workers` says them), so in this process those records are dropped."""
+    launcher = os.getpid()              # forked workers keep torch's logs as torchrun's do
+
+    def keep(record) -> bool:
+        return os.getpid() != launcher or not record.name.startswith(LAUNCHER_LOGS)
+    for name in ("torch", *LAUNCHER_LOGS):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(keep)
 
 
 def _refused(message: str):
