@@ -99,7 +99,7 @@ def test_the_status_is_the_worker_that_said_why_not_the_ranks_the_agent_ended(ca
 
 
 def launch_args(**given):
-    return SimpleNamespace(**{flag[2:]: given.get(flag[2:]) for flag, _, _ in lw.LAUNCH_FLAGS})
+    return SimpleNamespace(**{**{flag[2:]: None for flag, _, _ in lw.LAUNCH_FLAGS}, **given})
 
 
 def test_torchrun_is_given_the_flags_as_typed_and_one_machine_takes_a_free_port(monkeypatch):
@@ -121,5 +121,6 @@ def test_torchrun_is_given_the_flags_as_typed_and_one_machine_takes_a_free_port(
 
 def test_launch_flags_given_to_a_worker_are_refused(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
-    assert lw.launch_workers(launch_args(nproc_per_node="2"), "train.py", []) == 2
+    args = launch_args(nproc_per_node="2", config="c.json", set=[])
+    assert lw.launch_workers(args, "train.py") == 2
     assert "this process is already a worker of a launcher" in capsys.readouterr().err

@@ -87,9 +87,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_workers(args, script: str, worker_args: list) -> int:
-    """Start `script worker_args` on every worker of this launch (train.py's own command line,
-    less the launch flags), wait for them, and return the status to exit with."""
+def launch_workers(args, script: str) -> int:
+    """Start `script --config ... --set ...` (train.py's own command line, less the launch
+    flags) on every worker of this launch, wait for them, and return the status to exit with."""
+    worker_args = ["--config", args.config] + [a for s in args.set for a in ("--set", s)]
     if "RANK" in os.environ:
         print("error: the launch flags (--nproc_per_node, ...) are for the command you type; "
               "this process is already a worker of a launcher (torchrun): drop them",
