@@ -1,7 +1,6 @@
-"""Train: `python train.py --nproc_per_node N --config tmp/NAME/config.json` starts N workers
-(torchrun's launcher, its flags; `torchrun --nproc_per_node N train.py ...` works as well), or
-`python train.py --config ...` trains in this one process (N = the config's dp*tp*pp*cp; with no
-`--config`: the debug preset, in tmp/debug).
+"""Train: `python train.py [--nproc_per_node N] --config tmp/NAME/config.json` (N workers
+through torch's launcher, torchrun's flags; `torchrun ... train.py` works too; N = dp*tp*pp*cp;
+with no `--config`: the debug preset, in tmp/debug).
 
 Read top to bottom: set-up (processes, config, grid), build (model on the meta device,
 parallelism, weights), then the training loop.
@@ -13,7 +12,9 @@ import os
 import sys
 import time
 
-import torch
+# OpenMP's threads sleep at barriers, never spin (bench/NOTES.md, "CPU threads"); before torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from create_config import debug_config
@@ -63,7 +64,7 @@ def setup(config_path, overrides=()):
         print(node_warning, file=sys.stderr, flush=True)
     device, backend = device_and_backend(d, local_rank)     # share_gpu: cuda:0 over gloo
     if device.type == "cpu":
-        set_cpu_threads(local_world_size)  # cores / processes here
+        set_cpu_threads(local_world_size, d.cpu_threads)  # cores / processes here, or as set
     else:
         torch.cuda.set_device(device)
         fallback = settle_auto_fp8(config)     # FP8 that "auto" chose, where torch lacks it
@@ -188,8 +189,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if wants_launch(args):     # this process starts the workers, each runs main() below
-        worker_args = ["--config", args.config] + [a for s in args.set for a in ("--set", s)]
-        sys.exit(launch_workers(args, os.path.abspath(__file__), worker_args))
+        sys.exit(launch_workers(args, os.path.abspath(__file__)))
 
     # ---- set-up -------------------------------------------------------------------------
     owns_group, set_up_from = not dist.is_initialized(), time.perf_counter()

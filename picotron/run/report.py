@@ -37,8 +37,9 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
     tokens_per_step = config.global_batch_size * t.seq_length
     flops_tok = flops_per_token(config.model, t.seq_length)
     lines = [f"auto on {device.type}: {chosen}"] if chosen else []
-    threads = torch.get_num_threads()
-    threads = f", {plural(threads, 'CPU thread')} each" if device.type == "cpu" else ""
+    wait = os.environ.get("OMP_WAIT_POLICY", "active").lower()    # train.py's: passive
+    threads = (f", {plural(torch.get_num_threads(), 'CPU thread')} each, OpenMP wait {wait}; "
+               f"--set distributed.cpu_threads=N to change" if device.type == "cpu" else "")
     lines += [f"{pgm} (this rank logs: the last pipeline stage's first rank holds the loss)",
               f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} on "
               + (f"{config.world_size} ranks sharing one GPU ({device}; throughput means "
