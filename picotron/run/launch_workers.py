@@ -113,7 +113,7 @@ def launch_workers(args, script: str) -> int:
     _quiet()
     try:
         config, cmd, cmd_args = torchrun.config_from_args(launch)
-        elastic_launch(config, cmd)(*cmd_args)
+        elastic_launch(config, run_forked if fork else cmd)(*cmd_args)
     except ChildFailedError as e:
         return _workers_status(e.failures)
     except SignalException as e:             # the workers were sent it, and stopped
@@ -123,6 +123,23 @@ def launch_workers(args, script: str) -> int:
               file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def run_forked(script: str, *script_args: str) -> None:
+    """A forked worker: the signal handlers of a fresh process (the agent's, copied by the
+    fork, would turn the SIGTERM that ends a worker into a SignalException traceback), then
+    torchrun's run_script_path (`script` as __main__, with `script_args` as its argv), then
+    the exit handlers, which a process forked by multiprocessing skips (it ends in os._exit):
+    the watchdog's tells the other ranks that this one ended on purpose."""
+    import atexit
+    from torch.distributed.run import run_script_path
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        run_script_path(script, *script_args)
+    finally:
+        atexit._run_exitfuncs()
 
 
 def _workers_status(failures: dict) -> int:
