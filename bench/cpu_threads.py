@@ -41,12 +41,16 @@ def step_time(procs: int, threads: int, passive: bool, steps: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--procs", type=int, default=1, choices=sorted(LAYOUTS))
-    p.add_argument("--candidates", nargs="+", default=["1", "2", "2P"])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--states", nargs="+", default=["idle", "busy"])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--procs", type=int, default=1, choices=sorted(LAYOUTS),
+                   help="CPU processes training together (default 1)")
+    p.add_argument("--candidates", nargs="+", default=["1", "2", "2P"],
+                   help="thread counts per process; a P after one: OMP_WAIT_POLICY=PASSIVE, "
+                        "else ACTIVE (default: 1 2 2P)")
+    p.add_argument("--repeats", type=int, default=2, help="rounds over states and candidates")
+    p.add_argument("--steps", type=int, default=12, help="steps per run (median of 3..steps)")
+    p.add_argument("--states", nargs="+", default=["idle", "busy"],
+                   help="idle, and busy: one core kept busy by `yes` (default both)")
     args = p.parse_args()
     candidates = [(int(c.rstrip("P")), c.endswith("P")) for c in args.candidates]
     for repeat in range(args.repeats):

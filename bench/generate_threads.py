@@ -39,8 +39,9 @@ def timed(fn, repeats=5) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--checkpoint", help="a step_* folder or checkpoints folder to sample from "
+                                        "(default: the debug model drawn at random)")
     args = p.parse_args()
     if args.checkpoint:
         from picotron.checkpoint.checkpoint import checkpoint_to_read

@@ -6,10 +6,11 @@ weights, buckets, optimizer) and the data (token cache and windows), each the se
 phase took on that rank; rank 0 prints min / median / max over
 the ranks, and the wall time from the first rank's start to every rank ready.
 
-    python train.py-style launch:  torchrun --nproc_per_node 16 bench/start_phases.py \\
+    torchrun --nproc_per_node 16 bench/start_phases.py \\
         --config tmp/start16/config.json
 (the config from `python create_config.py --out_dir tmp --exp_name start16 --use_cpu --dp 4
 --tp 2 --pp 2`)."""
+import argparse
 import os
 import statistics
 import sys
@@ -29,7 +30,10 @@ IMPORTS_S = (IMPORTED_AT or 0.0) + time.perf_counter() - started
 
 
 def main() -> None:
-    config_path = sys.argv[sys.argv.index("--config") + 1]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--config", required=True, help="the run's config.json (its world size "
+                                                   "must be the launch's)")
+    config_path = p.parse_args().config
     phases = {"imports": IMPORTS_S}
     mark = time.perf_counter()
     for name, step in [("set-up", lambda: train.setup(config_path)),
