@@ -13,7 +13,11 @@ import os
 import sys
 import time
 
-import torch
+# OpenMP's threads sleep at a barrier instead of spinning: a spinning pool whose thread shares
+# a core with another program waits for that thread's time slice at every operation
+# (bench/NOTES.md, "CPU threads"). libgomp reads this once, when torch loads it. Yours is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 from picotron.checkpoint.checkpoint import CheckpointError, checkpoint_to_read
 from picotron.config import ConfigError
@@ -83,7 +87,7 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device} needs a CUDA GPU, and none is visible; give cpu")
     if args.device == "cpu":
-        set_cpu_threads(1)           # one process: every core this machine lets it use
+        set_cpu_threads(1)     # one process: every core here (passive wait, above)
         # fp32 weights that training drove near zero can be denormal, which the CPU's
         # matmuls take a slow path for; read as 0 they change no sample visibly
         torch.set_flush_denormal(True)

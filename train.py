@@ -1,6 +1,6 @@
-"""Train: `torchrun --nproc_per_node N train.py --config tmp/NAME/config.json`, or `python
-train.py --config ...` for one process (N = the config's dp*tp*pp*cp; with no `--config`: the
-debug preset, in tmp/debug).
+"""Train: `python train.py [--nproc_per_node N] --config tmp/NAME/config.json` (N workers
+through torch's launcher, torchrun's flags; `torchrun ... train.py` works too; N = dp*tp*pp*cp;
+with no `--config`: the debug preset, in tmp/debug).
 
 Read top to bottom: set-up (processes, config, grid), build (model on the meta device,
 parallelism, weights), then the training loop.
@@ -12,7 +12,9 @@ import os
 import sys
 import time
 
-import torch
+# OpenMP's threads sleep at barriers, never spin (bench/NOTES.md, "CPU threads"); before torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from create_config import debug_config
@@ -30,6 +32,7 @@ from picotron.loss import build_loss
 from picotron.plan.memory_plan import check_memory
 from picotron.run.metrics_log import MetricsLog, import_loggers
 from picotron.model import Decoder, materialize
+from picotron.run.launch_workers import add_launch_flags, launch_workers, wants_launch
 from picotron.run.run_lock import claim_run_dir
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes, device_and_backend
@@ -61,7 +64,7 @@ def setup(config_path, overrides=()):
         print(node_warning, file=sys.stderr, flush=True)
     device, backend = device_and_backend(d, local_rank)     # share_gpu: cuda:0 over gloo
     if device.type == "cpu":
-        set_cpu_threads(local_world_size)  # cores / processes here
+        set_cpu_threads(local_world_size, d.cpu_threads)  # cores / processes here, or as set
     else:
         torch.cuda.set_device(device)
         fallback = settle_auto_fp8(config)     # FP8 that "auto" chose, where torch lacks it
@@ -177,6 +180,7 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a key of the config file for this launch (repeatable, "
                         "checked, recorded in RUN_DIR/launches.jsonl): checkpoint.load_path=latest")
+    add_launch_flags(parser)
     args = parse_flags(parser, argv)
     args.config = args.config or debug_config()      # written on first use, then reused
     return args
@@ -184,6 +188,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if wants_launch(args):     # this process starts the workers, each runs main() below
+        sys.exit(launch_workers(args, os.path.abspath(__file__)))
 
     # ---- set-up -------------------------------------------------------------------------
     owns_group, set_up_from = not dist.is_initialized(), time.perf_counter()
@@ -277,7 +283,7 @@ def main(argv=None):
     watchdog.close()
     if is_logger and start_step < t.total_train_steps:
         print(summary(log, started, start_step, watchdog.step, val, saved, metrics.path,
-                      left_out), flush=True)
+                      left_out, stopped=stop), flush=True)
     if stop:              # one line, status 143 (SIGTERM) or 130 (Ctrl-C); diverged: an error
         end_stopped_run(watchdog.stop, watchdog.step, saved, is_logger, left_out)
     if owns_group:

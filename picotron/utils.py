@@ -168,12 +168,24 @@ def cpu_share() -> int:
     return max(1, cores or 1)
 
 
-def set_cpu_threads(local_processes: int) -> int:
-    """One intra-op thread per core share: cores // processes on this machine. torch's
-    default counts the host's cores, so N processes on a small machine (or one process in a
-    container with a CPU quota) run N x cores threads that wait on each other, 2-3x slower a
-    step. Returns the thread count chosen."""
-    threads = max(1, cpu_share() // max(1, local_processes))
+def cpu_threads(local_processes: int, cores: int = None) -> int:
+    """The intra-op threads of each of `local_processes` CPU processes: one per core share,
+    cores // processes, at least one. torch's default counts the host's cores, so N
+    processes on a small machine run N x cores threads that wait on each other, 2-3x slower a
+    step. The cores are rarely all free (a browser, an IDE, other jobs), and a pool meets at a
+    barrier at every operation: train.py and generate.py set OpenMP's passive wait, so that a
+    thread sharing its core with another program is waited for asleep, not spinning. On 2
+    cores with one kept busy the quick start then took 1.2 s a step with 2 threads where the
+    spinning pool took 4.1-5.3 s and one thread 0.9-2.8 s (bench/NOTES.md, "CPU threads").
+    `cores`: cpu_share() unless given."""
+    cores = cpu_share() if cores is None else cores
+    return max(1, cores // max(1, local_processes))
+
+
+def set_cpu_threads(local_processes: int, threads: int = None) -> int:
+    """Set this process's intra-op threads: `threads` where given (distributed.cpu_threads),
+    else the policy above. Returns the thread count chosen."""
+    threads = threads or cpu_threads(local_processes)
     torch.set_num_threads(threads)
     return threads
 

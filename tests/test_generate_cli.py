@@ -125,3 +125,29 @@ def test_a_model_trained_on_bytes_samples_bytes_whatever_its_name():
     assert tokenizer_source(on_range) == "byte"
     on_tokens = config_from_dict({"model": model, "dataset": {"name": "synthetic"}})
     assert tokenizer_source(on_tokens) == "HuggingFaceTB/SmolLM-135M"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_samples_are_unchanged_by_flushed_denormals_and_the_thread_count(checkpoints, threads):
+    """generate.py flushes denormals on a CPU and takes the thread policy's count: neither
+    changes a sampled token (greedy, and drawn at temperature 0.8 with top-k)."""
+    model, _ = load_for_inference(checkpoint_to_read(checkpoints))
+    prompt = torch.tensor([100, 101, 102])
+    before = torch.get_num_threads()
+
+    def samples():
+        return [sample(model, prompt, 24, temperature, 50, None,
+                       torch.Generator().manual_seed(3)) for temperature in (0, 0.8)]
+    try:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(False)
+        reference = samples()
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(True)
+        flushed = samples()
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(before)
+    for a, b in zip(reference, flushed):
+        assert torch.equal(a, b), (a, b)
+    assert len(set(reference[1][3:].tolist())) > 1          # the sample is no constant

@@ -128,8 +128,13 @@ TINY = ["--set", "model.hidden_size=64", "--set", "model.intermediate_size=160",
         "--set", "distributed.timeout_s=120", "--mbs", "2"]
 
 
-def launch_nodes(config_path: str, timeout: int = 240) -> list:
-    """Start the two nodes' launchers, wait for both; returns their (returncode, output).
+LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
+             "train.py": [sys.executable, os.path.join(ROOT, "train.py")]}
+
+
+def launch_nodes(config_path: str, timeout: int = 240, launcher: str = "torchrun") -> list:
+    """Start the two nodes' launchers (torchrun, or train.py's own launch flags), wait for
+    both; returns their (returncode, output).
     Their output goes to files (a launcher printing stack traces into a pipe nobody reads
     yet would block); a launcher still running at the timeout is killed with its workers."""
     port = free_port()
@@ -140,10 +145,12 @@ def launch_nodes(config_path: str, timeout: int = 240) -> list:
     for node, log in enumerate(logs):
         with open(log, "w") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                 "--nproc_per_node", "2", "--node_rank", str(node), "--rdzv_backend", "c10d",
-                 "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "test",
-                 os.path.join(ROOT, "train.py"), "--config", config_path],
+                LAUNCHERS[launcher] + [
+                    "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node),
+                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}",
+                    "--rdzv_id", "test"] + ([os.path.join(ROOT, "train.py")]
+                                            if launcher == "torchrun" else [])
+                + ["--config", config_path],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True))
     deadline = time.monotonic() + timeout
@@ -187,16 +194,21 @@ def test_two_nodes_train_like_one_process(tmp_path):
         torch.testing.assert_close(w_two[key], w_one[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
-def test_train_refuses_a_tp_group_across_nodes(tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_train_refuses_a_tp_group_across_nodes(tmp_path, launcher):
     """tp 4 over two nodes of 2 processes: train.py refuses it at start-up (LOCAL_WORLD_SIZE 2
     < WORLD_SIZE 4). Rank 0 says it; the first rank of the other node says it too and fails,
-    so that node's launcher ends at once instead of waiting for the failed one."""
+    so that node's launcher ends at once instead of waiting for the failed one. train.py's
+    own launch ends both nodes with the workers' status 2 and nothing of the launcher's."""
     path = write_config(tmp_path, "tp4", TINY + ["--tp", "4", "--grad_acc_steps", "2"])
     started = time.monotonic()
-    results = launch_nodes(path, timeout=120)
+    results = launch_nodes(path, timeout=120, launcher=launcher)
     assert time.monotonic() - started < 90            # no launcher waits out a barrier
     said = "tp_size=4 does not divide the 2 processes (GPUs) per node"
     assert all(code != 0 and said in output for code, output in results), results
+    if launcher == "train.py":
+        assert all(code == 2 and "Traceback" not in output and "torch/distributed" not in output
+                   for code, output in results), results
     by_rank_0 = [f"error: {said}" in output for _, output in results]
     assert sorted(by_rank_0) == [False, True]
     assert "error (rank 2): " + said in results[by_rank_0.index(False)][1]

@@ -158,11 +158,11 @@ def test_the_gpu_example_writes_its_config_and_the_plan_reads_it(tmp_path):
     GPUs), and "Which layout?"'s memory plan runs on that config as printed."""
     for name in LINKED:
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    gpu = next(b for b in bash_blocks(readme_section("Quick start")) if "torchrun" in b)
+    gpu = next(b for b in bash_blocks(readme_section("Quick start")) if "--nproc_per_node" in b)
     create, launch = gpu.splitlines()
     assert run_line(create, str(tmp_path)).strip() == "tmp/smol/config.json"
     config = load_config(str(tmp_path / "tmp" / "smol" / "config.json"))
-    assert launch == ("torchrun --nproc_per_node 8 train.py --config tmp/smol/config.json")
+    assert launch == ("python train.py --nproc_per_node 8 --config tmp/smol/config.json")
     assert config.world_size == 8 and not config.distributed.use_cpu
     plan = bash_blocks(readme_section("Which layout?"))[0]
     assert plan.endswith(" tmp/smol/config.json"), plan

@@ -133,12 +133,14 @@ def test_likely_mistakes_are_warned_of_with_their_fix(tmp_path, capsys):
     assert data_warning(config, object()) is None           # synthetic tokens: no windows
 
 
-def test_threads_are_the_core_share_of_each_local_process():
+def test_threads_are_the_core_share_of_each_local_process_or_as_set():
+    """cores // processes, at least one each; distributed.cpu_threads overrides the policy."""
     before = torch.get_num_threads()
     try:
         with mock.patch("picotron.utils.cpu_share", return_value=8):
             assert set_cpu_threads(4) == 2 and torch.get_num_threads() == 2
             assert set_cpu_threads(16) == 1
             assert set_cpu_threads(1) == 8
+            assert set_cpu_threads(1, threads=3) == 3 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)

@@ -53,7 +53,7 @@ def layout_errors(config, world_size: Optional[int] = None) -> list:
             f"dp_size*tp_size*pp_size*cp_size = {d.dp_size}*{d.tp_size}*{d.pp_size}*{d.cp_size}"
             f" = {config.world_size}, but {world_size} "
             f"{'process was' if world_size == 1 else 'processes were'} launched; launch with "
-            f"`torchrun --nproc_per_node {config.world_size}` or change the sizes")
+            f"--nproc_per_node {config.world_size} (train.py's or torchrun's) or change the sizes")
     if d.pp_engine not in PP_ENGINES:
         errors.append(f"distributed.pp_engine='{d.pp_engine}' must be one of {PP_ENGINES}")
     if d.zero_stage not in (0, 1, 2, 3):

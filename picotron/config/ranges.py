@@ -76,6 +76,7 @@ RANGES = {
                               "blocked for a day is dead, and torch's timedelta overflows"),
     "distributed.heartbeat_s": (Range(0, 86400, open_low=True),
                                 "seconds without a heartbeat before a rank counts as dead"),
+    "distributed.cpu_threads": (Range(1, 4096), "intra-op CPU threads per process"),
     "model.vocab_size": (Range(2, 2 ** 21), "tokens in the vocabulary (the largest models "
                                             "have about 2^18)"),
     "model.hidden_size": (Range(2, 2 ** 17), "the width C of every layer"),

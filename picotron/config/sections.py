@@ -38,6 +38,9 @@ class DistributedConfig:
     # a rank silent this long is dead or frozen: every other rank stops, naming it
     # (picotron/run/watchdog.py); None: min(60, timeout_s / 2); below timeout_s / 1.25
     heartbeat_s: Optional[float] = None
+    # with use_cpu: intra-op threads per process; None: cores // processes on this machine
+    # (picotron/utils.py's cpu_threads)
+    cpu_threads: Optional[int] = None
 
 
 @dataclass

@@ -11,6 +11,8 @@ Reading order (each file needs only the ones before it):
                            a run that stops or ends while skipping fails, naming where to resume
     step_log.py            one record per optimizer step, logged one step behind; progress
     launcher.py            what a worker shares with torchrun: its store and its error file
+    launch_workers.py      `train.py --nproc_per_node N`: torch's launcher started from
+                           train.py, ended by the workers' own line and status
     stop_signals.py        SIGTERM and Ctrl-C, heard even while the training thread is blocked
     peers.py               the other ranks on this machine, and which of them is gone
     heartbeats.py          a frozen rank told from a slow one, within a stated bound

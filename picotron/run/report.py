@@ -37,8 +37,9 @@ def describe_run(config, pgm, device, run_dir, overrides=()) -> str:
     tokens_per_step = config.global_batch_size * t.seq_length
     flops_tok = flops_per_token(config.model, t.seq_length)
     lines = [f"auto on {device.type}: {chosen}"] if chosen else []
-    threads = torch.get_num_threads()
-    threads = f", {plural(threads, 'CPU thread')} each" if device.type == "cpu" else ""
+    wait = os.environ.get("OMP_WAIT_POLICY", "active").lower()    # train.py's: passive
+    threads = (f", {plural(torch.get_num_threads(), 'CPU thread')} each, OpenMP wait {wait}; "
+               f"--set distributed.cpu_threads=N to change" if device.type == "cpu" else "")
     lines += [f"{pgm} (this rank logs: the last pipeline stage's first rank holds the loss)",
               f"layout dp={d.dp_size} tp={d.tp_size} pp={d.pp_size} cp={d.cp_size} on "
               + (f"{config.world_size} ranks sharing one GPU ({device}; throughput means "
@@ -150,16 +151,19 @@ def record_launch(run_dir: str, argv: list, overrides: list, start_step: int) ->
 
 
 def summary(log, started: float, start_step: int, total_steps: int, val, checkpoint,
-            metrics_path: str, left_out=None) -> str:
+            metrics_path: str, left_out=None, stopped: bool = False) -> str:
     """The run's last line: steps, time, tokens, final losses, where its outputs are.
     `log` is the run's StepLog (its last record and token count), `started` the host clock
     when the loop began, `val` the last validation's metrics record or None, `checkpoint`
-    the last saved directory or None, `left_out` why the last save was left out, or None."""
+    the last saved directory or None, `left_out` why the last save was left out, or None;
+    `stopped`: a stop cut the run short (it opens with "stopped", not "done", which reads as
+    a finished run)."""
     took = time.perf_counter() - started
     steps = total_steps - start_step
     tokens = log.tokens_seen - log.tokens_at_start
     last = log.last_record or {}
-    parts = [f"done: {steps} steps ({start_step} -> {total_steps}) in {duration(took)}, "
+    ended = "stopped" if stopped else "done"
+    parts = [f"{ended}: {steps} steps ({start_step} -> {total_steps}) in {duration(took)}, "
              f"{tokens:,} tokens ({tokens / max(took, 1e-9):,.0f} tok/s)"]
     if "loss" in last:
         parts.append(f"final loss {last['loss']:.4f}")
