@@ -19,14 +19,12 @@ import torch.distributed as dist
 
 from create_config import debug_config
 from picotron.attention import resolve_attention
-from picotron.checkpoint.checkpoint import (CheckpointError, CheckpointSaver,
-                                            SharedCheckpointError, check_new_run, resume, save_root)
-from picotron.config import ConfigError, MissingPackage, load_config
+from picotron.checkpoint.checkpoint import CheckpointSaver, check_new_run, resume, save_root
+from picotron.config import load_config
 from picotron.config.overrides import parse_flags
 from picotron.context_parallel import apply_context_parallel
-from picotron.data.windows import DataError, StepBatches, build_train_val, data_state
+from picotron.data.windows import StepBatches, build_train_val, data_state
 from picotron.data_parallel import GradBuckets, ShardedParams
-from picotron.errors import RunStopped, SharedDataError
 from picotron.checkpoint.hf_io import load_hf_weights
 from picotron.loss import build_loss
 from picotron.plan.memory_plan import check_memory
@@ -37,15 +35,15 @@ from picotron.run.run_lock import claim_run_dir
 from picotron.pipeline_parallel import apply_pipeline_parallel, pipeline_train_step
 from picotron.process_group_manager import ProcessGroupManager, check_nodes, device_and_backend
 from picotron.run.report import (StartupPhases, config_read, data_warning, describe_run,
-                                 end_stopped_run, exit_interrupted, exit_with_error,
-                                 launch_lines, summary)
+                                 launch_lines)
+from picotron.run.run_end import end_stopped_run, run_and_end, summary
 from picotron.speed import apply_speed, build_optimizer, capture_layers
 from picotron.speed.fp8.layers import fp8_step_values, settle_auto_fp8
 from picotron.run.step_log import StepLog
 from picotron.tensor_parallel import apply_tensor_parallel
 from picotron.utils import StepValues, lr_at, set_cpu_threads, set_seed
 from picotron.data.validation import validation_line, validation_loss, validation_record
-from picotron.run.watchdog import Watchdog, end_if_known_failure
+from picotron.run.watchdog import Watchdog
 
 
 def setup(config_path, overrides=()):
@@ -291,15 +289,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, MissingPackage, SharedDataError,
-            SharedCheckpointError) as e:                    # alike on every rank
-        exit_with_error(e, same_on_every_rank=True)
-    except (DataError, CheckpointError, RunStopped) as e:
-        exit_with_error(e, same_on_every_rank=False)
-    except KeyboardInterrupt:            # Ctrl-C before the watchdog took the signal over
-        exit_interrupted()
-    except BaseException as e:
-        end_if_known_failure(e)          # a peer gone, the GPU's memory full: one line
-        raise
+    run_and_end(main)    # a refused run, a stop, a peer gone: one line and its status

@@ -11,7 +11,8 @@ import torch
 
 from launch import ROOT, launch_script, write_config
 from picotron.run.metrics_log import MetricsLog
-from picotron.run.report import describe_run, summary
+from picotron.run.report import describe_run
+from picotron.run.run_end import summary
 from picotron.run.step_log import StepLog
 from picotron.speed.fp8 import saturation
 from picotron.speed.fp8.delayed import AmaxLedger

@@ -18,7 +18,8 @@ Reading order (each file needs only the ones before it):
     heartbeats.py          a frozen rank told from a slow one, within a stated bound
     watchdog.py            a dead or frozen rank, a dead launcher, a stop all ranks agree on,
                            a GPU out of memory
-    report.py              a run's first and last lines, the launch record, an error said once
+    report.py              a run's first lines and the launch record
+    run_end.py             how a run ends: its summary, a stop's line, an error said once
     preflight.py           checked on this machine before a config is written: its data and
                            tokenizer can be found
     slurm.py               `create_config.py --slurm`: a batch script for several nodes
