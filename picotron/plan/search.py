@@ -25,7 +25,7 @@ refused for it, unjudged. tests/test_plan_search.py holds the accepted set to a 
 filter through config_from_dict itself. Each accepted layout is then scored by
 step_time.predict; one that does not fit the GPU's memory is refused with the model's note.
 """
-import dataclasses
+import functools
 import re
 import time
 from collections import Counter
@@ -142,16 +142,24 @@ def grid_layouts(gpus: int, sequences: int, fixed: dict, base: dict):
             yield {**grid, "cp_mode": mode}, why
 
 
+def _copy(section):
+    """A shallow copy of a config section: dataclasses.replace(section) without its __init__
+    (the sections are plain dataclasses: no __post_init__, every field an init field)."""
+    copy = object.__new__(type(section))
+    copy.__dict__.update(section.__dict__)
+    return copy
+
+
 def with_layout(base: Config, layout: dict) -> Config:
     """`base` (as given, "auto" unresolved) with the layout's knobs set; sections the layout
     does not touch are shared, not copied."""
-    changes = {"distributed": {}, "training": {}}
+    config, distributed, training = _copy(base), _copy(base.distributed), _copy(base.training)
+    config.distributed, config.training = distributed, training
+    sections = {"distributed": distributed, "training": training}
     for name, value in layout.items():
         section, key = LAYOUT_KEYS[name]
-        changes[section][key] = value
-    return dataclasses.replace(
-        base, distributed=dataclasses.replace(base.distributed, **changes["distributed"]),
-        training=dataclasses.replace(base.training, **changes["training"]))
+        setattr(sections[section], key, value)
+    return config
 
 
 def judge(base: Config, layout: dict, gpus: int):
@@ -160,26 +168,37 @@ def judge(base: Config, layout: dict, gpus: int):
     `base` passed config_from_dict, so of range_errors only the knobs' own ranges can fail
     (its other checks read the dataset section, which the layout does not touch)."""
     given = with_layout(base, layout)
-    resolved = dataclasses.replace(given, model=dataclasses.replace(given.model),
-                                   training=dataclasses.replace(given.training))
+    errors = knob_range_errors(layout)
+    if errors:
+        return None, errors
+    resolved = _copy(given)
+    resolved.model, resolved.training = _copy(given.model), _copy(given.training)
     resolve_auto(resolved)
-    errors = knob_range_errors(given, layout) or layout_errors(resolved, gpus)
+    errors = layout_errors(resolved, gpus)
     return (None, errors) if errors else (resolved, [])
 
 
-def knob_range_errors(config: Config, layout: dict) -> list:
+def knob_range_errors(layout: dict) -> list:
     """range_errors' message for each knob of `layout` outside its range (RANGES' own)."""
     errors = []
-    for name in layout:
-        section, key = LAYOUT_KEYS[name]
-        allowed, why = RANGES.get(f"{section}.{key}", (None, ""))
-        value = getattr(getattr(config, section), key)
-        problem = allowed.problem(value) if allowed is not None else None
-        if problem:
-            default = getattr(getattr(Config(), section), key)
-            errors.append(f"{section}.{key}={value!r} {problem} ({why}); set it in {allowed}, "
-                          f"e.g. {default!r} (the default)")
+    for name, value in layout.items():
+        message = _knob_range_error(name, value)
+        if message:
+            errors.append(message)
     return errors
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _knob_range_error(name: str, value) -> str:
+    """One knob's range_errors message, '' in range: a function of the value alone."""
+    section, key = LAYOUT_KEYS[name]
+    allowed, why = RANGES.get(f"{section}.{key}", (None, ""))
+    problem = allowed.problem(value) if allowed is not None else None
+    if not problem:
+        return ""
+    default = getattr(getattr(Config(), section), key)
+    return (f"{section}.{key}={value!r} {problem} ({why}); set it in {allowed}, "
+            f"e.g. {default!r} (the default)")
 
 
 def grid_verdict(base: Config, layouts: list, gpus: int) -> str:
@@ -217,8 +236,12 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
     `fixed`: knobs given by the user (short names), kept as given. `predict`: the step-time
     model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict)."""
     start = time.perf_counter()
-    if predict is None:
-        from picotron.plan.step_time import predict
+    if predict is None:      # the model, with the pieces layouts share computed once
+        from picotron.plan.step_time import predict as model
+        cache = {}
+
+        def predict(config, profile, gpus_per_node):
+            return model(config, profile, gpus_per_node, cache)
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(LAYOUT_KEYS))
     if unknown:

@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
-from picotron.plan.memory_plan import GPU_RESERVED, estimate
-from picotron.plan.memory_state import GiB, layer_params, rank_params
+from picotron.plan.memory_activations import activation_rows, virtual_stages
+from picotron.plan.memory_plan import GPU_RESERVED, estimate, has_auto
+from picotron.plan.memory_state import GiB, layer_params, rank_params, state_rows
 from picotron.plan.pipeline_sim import simulate
 from picotron.utils import flops_per_token
 
@@ -48,18 +49,90 @@ class Prediction:
                              # F, B, send, comm, idle; built when first read
 
 
+def layout_key(config) -> tuple:
+    """What a search varies between layouts: the knobs, and the options resolve_auto derives
+    from them. A predict cache holds for configs that differ in these values only."""
+    d, t, m = config.distributed, config.training, config.model
+    return (d.dp_size, d.tp_size, d.pp_size, d.cp_size, d.cp_mode, d.zero_stage,
+            t.micro_batch_size, t.gradient_accumulation_steps, t.activation_checkpointing,
+            t.fp8, d.pp_engine, d.pp_virtual_stages, m.kernels, t.fused_loss, t.cuda_graphs)
+
+
+def compute_key(config) -> tuple:
+    """What compute_time's layer and ends read of layout_key: tp, cp, micro-batch,
+    recomputation, FP8, CUDA graphs."""
+    d, t = config.distributed, config.training
+    return (d.tp_size, d.cp_size, t.micro_batch_size, t.activation_checkpointing, t.fp8,
+            t.cuda_graphs)
+
+
+def cached(cache, key, compute, *args):
+    """compute(*args), looked up in `cache` under `key` (None: no cache)."""
+    if cache is None:
+        return compute(*args)
+    value = cache.get(key, cache)
+    if value is cache:
+        value = cache[key] = compute(*args)
+    return value
+
+
+def _bytes_by_when(rows) -> dict:
+    out = {}
+    for row in rows:
+        out.setdefault(row.when, []).append(row.bytes)
+    return out
+
+
+def _total(first: dict, second: dict, when: str):
+    """sum(bytes of `when` over first's rows, then second's), summed in that order."""
+    a, b = first.get(when), second.get(when)
+    if not b:
+        return sum(a) if a else 0
+    total = sum(a) if a else 0
+    for x in b:
+        total += x
+    return total
+
+
+def cached_memory(config, cache) -> tuple:
+    """(held bytes, device bytes) of memory_plan.estimate(config), its rank_estimate's sums
+    in its order (the state rows, then the activation rows), each rank's two parts cached
+    by the knobs they read (memory_state.py, memory_activations.py)."""
+    if has_auto(config):
+        e = estimate(config)
+        return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
+    k, v = layout_key(config), virtual_stages(config)
+    graphs = config.training.cuda_graphs is True
+    best = None
+    for r in range(config.distributed.pp_size):
+        state = cached(cache, ("state", r, v) + k[:4] + k[5:6] + k[7:8] + k[9:10],
+                       lambda: _bytes_by_when(state_rows(config, rank_params(config, r))))
+        act = cached(cache, ("act", r, v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
+                     lambda: _bytes_by_when(activation_rows(config, r)))
+        held, forward, step = (_total(state, act, w) for w in ("held", "forward", "step"))
+        device = held + forward + step if graphs else held + max(forward, step)
+        if best is None or device > best[1]:
+            best = (held, device)
+    return best
+
+
 def memory_fit(config, profile):
     """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
     profile of another trainer, its memory is the plan's held part and the rest scaled by the
     profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
     a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
     e = estimate(config)
-    held = sum(r.bytes for r in e.rows if r.when == "held")
+    return fit_of(config, profile, sum(r.bytes for r in e.rows if r.when == "held"),
+                  e.device_bytes)
+
+
+def fit_of(config, profile, held, device_bytes):
+    """memory_fit from the estimate's held bytes and its device bytes."""
     t, d = config.training, config.distributed
     logits = t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
                                                                   d.tp_size)
     need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
-        e.device_bytes - held) + profile["mem_logit_bytes"] * logits
+        device_bytes - held) + profile["mem_logit_bytes"] * logits
         + profile["mem_extra_gib"] * GiB)
     usable = profile["memory_gib"] * GiB - GPU_RESERVED
     if need <= usable:
@@ -68,11 +141,11 @@ def memory_fit(config, profile):
                                f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
 
 
-def layer_pass(config, profile, links, groups):
+def layer_pass(config, profile, links, groups, cache=None):
     """(forward, backward) seconds of one layer, one micro-batch, one rank, and the
     exposed tp, cp and ZeRO-3 communication inside each (dicts)."""
     d = config.distributed
-    lt = layer_time(config, profile)
+    lt = cached(cache, compute_key(config), layer_time, config, profile)
     tokens = config.training.micro_batch_size * config.training.seq_length // d.cp_size
     tp = tp_layer_s(config, links, groups["tp"], tokens)
     if d.tp_comm_overlap:
@@ -103,12 +176,12 @@ def layer_pass(config, profile, links, groups):
             exposed_f, exposed_b)
 
 
-def stage_times(config, profile, layer_f, layer_b):
+def stage_times(config, profile, layer_f, layer_b, cache=None):
     """forward_s[s], backward_s[s] of every virtual stage for one micro-batch."""
     d = config.distributed
-    v = d.pp_virtual_stages if d.pp_engine == "interleaved" and d.pp_size > 1 else 1
+    v = virtual_stages(config)
     layers = stage_layers(config.model.num_hidden_layers, d.pp_size * v)
-    ends = ends_time(config, profile)
+    ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
     forward, backward = [], []
     for s, held in enumerate(layers):
         f = len(held) * layer_f + ends["micro"][0] + profile["micro_s"]
@@ -121,10 +194,12 @@ def stage_times(config, profile, layer_f, layer_b):
     return forward, backward, v
 
 
-def after_backward(config, profile, links, groups, pp_rank, last_backward, first_forward):
-    """(dp exposed, optimizer) seconds of one pipeline rank at the step's end."""
+def after_backward(config, profile, links, groups, rank, last_backward, first_forward,
+                   cache=None):
+    """(dp exposed, optimizer) seconds of one pipeline rank (its Params, rank_params) at the
+    step's end."""
     d = config.distributed
-    params = rank_params(config, pp_rank).total
+    params = rank.total
     wire = 4 if d.grad_reduce_dtype == "float32" else 2
     shape = groups["cp_dp"]
     if d.zero_stage == 0:
@@ -133,7 +208,7 @@ def after_backward(config, profile, links, groups, pp_rank, last_backward, first
         reduce, gather = links.all_gather(params * wire, shape), links.all_gather(
             params * BF16, shape)
     else:                                 # ZeRO-3: the layers' part is inside their passes
-        root = rank_params(config, pp_rank).root
+        root = rank.root
         reduce, gather = links.all_gather(root * wire, shape), 0.0
     if d.overlap_grad_reduce:
         bucket = links.all_reduce(min(params * wire, d.bucket_size_mb * 2 ** 20), shape)
@@ -144,7 +219,28 @@ def after_backward(config, profile, links, groups, pp_rank, last_backward, first
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    return reduce + gather, optimizer_s(config, profile, params) + host
+    return reduce + gather, cached(cache, ("optimizer", params) + compute_key(config)
+                                   + layout_key(config)[:6], optimizer_s, config, profile,
+                                   params) + host
+
+
+class _TailEvents(Sequence):
+    """Each pipeline rank's gradient reduction and optimizer after the simulated makespan, as
+    timeline events, built when read."""
+
+    def __init__(self, makespan, tails):
+        self.makespan, self.tails = makespan, tails
+
+    def __len__(self):
+        return 2 * len(self.tails)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        r, second = divmod(range(len(self))[i], 2)
+        dp, opt = self.tails[r]
+        start = self.makespan + (dp if second else 0.0)
+        return (r, "comm", -1, -1, start, self.makespan + dp + (opt if second else 0.0))
 
 
 class _Joined(Sequence):
@@ -165,14 +261,21 @@ class _Joined(Sequence):
         return self.first[i] if i < n else self.second[i - n]
 
 
-def predict(config, profile, gpus_per_node: int) -> Prediction:
+def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
     """The predicted step of `config` (a Config the config's checks accepted) on `profile`'s
-    machines with `gpus_per_node` GPUs a node (module docstring)."""
+    machines with `gpus_per_node` GPUs a node (module docstring). `cache`: a dict that a
+    search keeps for one profile and gpus_per_node, over configs that differ only in
+    layout_key's values: the pieces that read fewer of them are computed once."""
     d, t = config.distributed, config.training
     links = Links(profile)
-    groups = layout_groups(config, profile, gpus_per_node)
-    layer_f, layer_b, part_f, part_b = layer_pass(config, profile, links, groups)
-    forward, backward, v = stage_times(config, profile, layer_f, layer_b)
+    key = layout_key(config)
+    groups = cached(cache, ("groups",) + key[:4], layout_groups, config, profile, gpus_per_node)
+    layer_f, layer_b, part_f, part_b = cached(
+        cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
+        groups, cache)
+    v = virtual_stages(config)
+    forward, backward, v = cached(cache, ("stages", v) + key[:6] + compute_key(config),
+                                  stage_times, config, profile, layer_f, layer_b, cache)
     micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
@@ -180,31 +283,37 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
         act = tokens * config.model.hidden_size * BF16
         act /= d.tp_size if d.sequence_parallel else 1
         send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
-    sim = simulate(d.pp_engine if d.pp_size > 1 else "1f1b", d.pp_size, micro, v, forward,
-                   backward, send, profile.traits.get("pp_mode", "async"))
-    tails, comm_events = [], []
+    engine = d.pp_engine if d.pp_size > 1 else "1f1b"
+    mode = profile.traits.get("pp_mode", "async")
+    sim = cached(cache, ("sim", engine, d.pp_size, micro, v, tuple(forward), tuple(backward),
+                         send, mode), simulate, engine, d.pp_size, micro, v, forward, backward,
+                 send, mode)
+    tails = []
     for r in range(d.pp_size):
         chunks = range(r, d.pp_size * v, d.pp_size)
-        dp, opt = after_backward(config, profile, links, groups, r,
-                                 sum(backward[s] for s in chunks),
-                                 sum(forward[s] for s in chunks))
-        tails.append((dp, opt))
-        comm_events += [(r, "comm", -1, -1, sim.makespan_s, sim.makespan_s + dp),
-                        (r, "comm", -1, -1, sim.makespan_s + dp, sim.makespan_s + dp + opt)]
+        rank = cached(cache, ("params", r, v) + key[:4], rank_params, config, r)
+        last_backward = sum(backward[s] for s in chunks)
+        first_forward = sum(forward[s] for s in chunks)
+        tails.append(cached(cache, ("tail", rank, last_backward, first_forward) + key[:6]
+                            + compute_key(config), after_backward, config, profile, links,
+                            groups, rank, last_backward, first_forward, cache))
     tail = max(range(d.pp_size), key=lambda r: sum(tails[r]))
     step = sim.makespan_s + sum(tails[tail])
     busiest = max(range(d.pp_size), key=lambda r: sim.busy_s[r])
     layers_on = len(stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest])
     parts = {k: 0.0 for k in PARTS}
-    for key in ("tp", "cp", "dp"):
-        parts[key] = micro * v * layers_on * (part_f[key] + part_b[key])
+    for name in ("tp", "cp", "dp"):
+        parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
     parts["compute"] = sim.busy_s[busiest] - parts["tp"] - parts["cp"] - parts["dp"]
     idle = sim.makespan_s - sim.busy_s[busiest]
     parts["pp"] = min(idle, 2 * (d.pp_size - 1) * send)
     parts["pipeline_idle"] = idle - parts["pp"]
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
-    mem, fits, note = memory_fit(config, profile)
+    if cache is None:
+        mem, fits, note = memory_fit(config, profile)
+    else:
+        mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))
     # a trainer whose allocator thrashes near the GPU's limit (frees and retries every step)
     # slows by up to 1 + mem_pressure_slowdown, from mem_pressure_share of the usable memory
     usable = profile["memory_gib"] - GPU_RESERVED / GiB
@@ -216,4 +325,4 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
     mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
                       {k: float(v) for k, v in parts.items()},
-                      _Joined(sim.timeline, comm_events))
+                      _Joined(sim.timeline, _TailEvents(sim.makespan_s, tails)))
