@@ -41,7 +41,7 @@ def _dag(engine, pp, micro_batches, v):
     graph is one vector step a level."""
     orders = schedule_orders(engine, pp, micro_batches, v)
     last = pp * v - 1
-    index, rows, pos = {}, [], [0] * pp
+    index, rows, pos, depth = {}, [], [0] * pp, []
     prev = [-1] * pp
     while len(rows) < sum(len(o) for o in orders):
         progressed = False
@@ -53,8 +53,10 @@ def _dag(engine, pp, micro_batches, v):
                 if need is not None and need not in index:
                     break
                 index[(a.kind, s, a.micro)] = len(rows)
-                rows.append((r, a.kind == "F", s, a.micro, a.chunk, prev[r],
-                             -1 if need is None else index[need]))
+                got = -1 if need is None else index[need]
+                depth.append(1 + max(depth[prev[r]] if prev[r] >= 0 else -1,
+                                     depth[got] if got >= 0 else -1))
+                rows.append((r, a.kind == "F", s, a.micro, a.chunk, prev[r], got))
                 prev[r] = len(rows) - 1
                 pos[r] += 1
                 progressed = True
@@ -62,10 +64,9 @@ def _dag(engine, pp, micro_batches, v):
             raise RuntimeError(f"schedule {engine} deadlocks: every rank waits")
     cols = [np.array(c) for c in zip(*rows)]
     rank, forward, stage, micro, chunk, before, input_of = cols
-    depth = np.zeros(len(rows), dtype=int)
-    for i, (b, d) in enumerate(zip(before, input_of)):
-        depth[i] = 1 + max(depth[b] if b >= 0 else -1, depth[d] if d >= 0 else -1)
-    levels = [np.flatnonzero(depth == k) for k in range(depth.max() + 1)]
+    depth = np.array(depth)
+    order = np.argsort(depth, kind="stable")        # each level's actions in index order
+    levels = np.split(order, np.flatnonzero(np.diff(depth[order])) + 1)
     n = len(rows)        # index n stands for "nothing": its end time is 0
     return (rank, forward, stage, micro, chunk, np.where(before < 0, n, before),
             np.where(input_of < 0, n, input_of), input_of >= 0, levels)
@@ -84,6 +85,47 @@ def simulate_async(engine, pp, micro_batches, v, forward_s, backward_s, send_s) 
     return Simulation(float(end.max()), list(busy),
                       _AsyncTimeline(rank, forward, micro, chunk, start, end[:-1],
                                      input_of, has_input, send_s))
+
+
+def simulate_async_batch(engine, pp, micro_batches, v, forward_s, backward_s, send_s) -> list:
+    """simulate_async for B sets of durations at once (forward_s, backward_s: B rows of S;
+    send_s: B), each row's arithmetic the same operations in the same order, so each
+    Simulation equals simulate_async's; their timelines are simulated again when read."""
+    rank, forward, stage, micro, chunk, before, input_of, has_input, levels = _dag(
+        engine, pp, micro_batches, v)
+    f, b = np.asarray(forward_s, dtype=float), np.asarray(backward_s, dtype=float)
+    send = np.asarray(send_s, dtype=float)
+    dur = np.where(forward[:, None], f[:, stage].T, b[:, stage].T)        # (actions, B)
+    end = np.zeros((len(dur) + 1, len(send)))
+    has = has_input[:, None]
+    for idx in levels:
+        start = np.maximum(end[before[idx]], end[input_of[idx]] + send * has[idx])
+        end[idx] = start + dur[idx]
+    makespan = end.max(axis=0)
+    out = []
+    for j in range(len(send)):
+        busy = np.bincount(rank, weights=dur[:, j], minlength=pp)
+        args = (engine, pp, micro_batches, v, forward_s[j], backward_s[j], send_s[j])
+        out.append(Simulation(float(makespan[j]), list(busy), _Later(args)))
+    return out
+
+
+class _Later(Sequence):
+    """A batched simulation's timeline: simulate_async's, run when first read."""
+
+    def __init__(self, args):
+        self._args, self._events = args, None
+
+    def _timeline(self):
+        if self._events is None:
+            self._events = simulate_async(*self._args).timeline
+        return self._events
+
+    def __getitem__(self, i):
+        return self._timeline()[i]
+
+    def __len__(self):
+        return len(self._timeline())
 
 
 class _AsyncTimeline(Sequence):

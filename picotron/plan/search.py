@@ -234,14 +234,9 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
     """Judge and score every layout of `gpus` GPUs for the config `raw` (a config dict: its
     model, seq_length and any other key the user set; the layout's knobs are overwritten).
     `fixed`: knobs given by the user (short names), kept as given. `predict`: the step-time
-    model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict)."""
+    model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict,
+    through step_time.predict_many: the same predictions, sharing their common pieces)."""
     start = time.perf_counter()
-    if predict is None:      # the model, with the pieces layouts share computed once
-        from picotron.plan.step_time import predict as model
-        cache = {}
-
-        def predict(config, profile, gpus_per_node):
-            return model(config, profile, gpus_per_node, cache)
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(LAYOUT_KEYS))
     if unknown:
@@ -268,23 +263,33 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
         if keep_refused:
             result.refused_layouts.append((layout, message))
     layers = base.model.num_hidden_layers
+    judged = []             # (layout, resolved Config or None, the refusal or '')
     for grid, why_not in grid_layouts(gpus, sequences, fixed, defaults):
         if why_not:
-            refuse(grid, why_not)
+            judged.append((grid, None, why_not))
             continue
         layouts = list(subtree(grid, sequences, layers, fp8_options(profile), fixed, defaults))
         verdict = grid_verdict(base, layouts, gpus)
         for layout in layouts:
             result.considered += 1
             config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus)
-            if errors:
-                refuse(layout, errors[0])
-                continue
-            prediction = predict(config, profile, gpus_per_node)
-            if not prediction.fits:
-                refuse(layout, prediction.note or "does not fit")
-                continue
-            result.ranked.append(Scored(layout, prediction))
+            judged.append((layout, config, errors[0] if errors else ""))
+    # every accepted layout scored, then each judged layout's outcome in the order judged
+    configs = [config for _, config, _ in judged if config is not None]
+    if predict is None:     # the model, the pieces layouts share computed once
+        from picotron.plan.step_time import predict_many
+        predictions = iter(predict_many(configs, profile, gpus_per_node, {}))
+    else:
+        predictions = (predict(config, profile, gpus_per_node) for config in configs)
+    for layout, config, message in judged:
+        if config is None:
+            refuse(layout, message)
+            continue
+        prediction = next(predictions)
+        if not prediction.fits:
+            refuse(layout, prediction.note or "does not fit")
+            continue
+        result.ranked.append(Scored(layout, prediction))
     # fastest first; of two as fast, the one that needs less memory
     result.ranked.sort(key=lambda s: (-s.prediction.tok_s_gpu, s.prediction.mem_gib))
     result.seconds = time.perf_counter() - start

@@ -27,10 +27,11 @@ from collections.abc import Sequence
 from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
-from picotron.plan.memory_activations import activation_rows, virtual_stages
-from picotron.plan.memory_plan import GPU_RESERVED, estimate, has_auto
-from picotron.plan.memory_state import GiB, layer_params, rank_params, state_rows
-from picotron.plan.pipeline_sim import simulate
+from picotron.plan.memory_activations import virtual_stages
+from picotron.plan.memory_plan import GPU_RESERVED, estimate
+from picotron.plan.memory_state import GiB, layer_params, rank_params
+from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
+from picotron.plan.pipeline_sim import simulate, simulate_async_batch
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -47,73 +48,6 @@ class Prediction:
     parts: dict              # seconds of the step on its busiest rank, by PARTS
     timeline: Sequence       # (pp_rank, kind, micro, chunk, start_s, end_s), kind in
                              # F, B, send, comm, idle; built when first read
-
-
-def layout_key(config) -> tuple:
-    """What a search varies between layouts: the knobs, and the options resolve_auto derives
-    from them. A predict cache holds for configs that differ in these values only."""
-    d, t, m = config.distributed, config.training, config.model
-    return (d.dp_size, d.tp_size, d.pp_size, d.cp_size, d.cp_mode, d.zero_stage,
-            t.micro_batch_size, t.gradient_accumulation_steps, t.activation_checkpointing,
-            t.fp8, d.pp_engine, d.pp_virtual_stages, m.kernels, t.fused_loss, t.cuda_graphs)
-
-
-def compute_key(config) -> tuple:
-    """What compute_time's layer and ends read of layout_key: tp, cp, micro-batch,
-    recomputation, FP8, CUDA graphs."""
-    d, t = config.distributed, config.training
-    return (d.tp_size, d.cp_size, t.micro_batch_size, t.activation_checkpointing, t.fp8,
-            t.cuda_graphs)
-
-
-def cached(cache, key, compute, *args):
-    """compute(*args), looked up in `cache` under `key` (None: no cache)."""
-    if cache is None:
-        return compute(*args)
-    value = cache.get(key, cache)
-    if value is cache:
-        value = cache[key] = compute(*args)
-    return value
-
-
-def _bytes_by_when(rows) -> dict:
-    out = {}
-    for row in rows:
-        out.setdefault(row.when, []).append(row.bytes)
-    return out
-
-
-def _total(first: dict, second: dict, when: str):
-    """sum(bytes of `when` over first's rows, then second's), summed in that order."""
-    a, b = first.get(when), second.get(when)
-    if not b:
-        return sum(a) if a else 0
-    total = sum(a) if a else 0
-    for x in b:
-        total += x
-    return total
-
-
-def cached_memory(config, cache) -> tuple:
-    """(held bytes, device bytes) of memory_plan.estimate(config), its rank_estimate's sums
-    in its order (the state rows, then the activation rows), each rank's two parts cached
-    by the knobs they read (memory_state.py, memory_activations.py)."""
-    if has_auto(config):
-        e = estimate(config)
-        return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    k, v = layout_key(config), virtual_stages(config)
-    graphs = config.training.cuda_graphs is True
-    best = None
-    for r in range(config.distributed.pp_size):
-        state = cached(cache, ("state", r, v) + k[:4] + k[5:6] + k[7:8] + k[9:10],
-                       lambda: _bytes_by_when(state_rows(config, rank_params(config, r))))
-        act = cached(cache, ("act", r, v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
-                     lambda: _bytes_by_when(activation_rows(config, r)))
-        held, forward, step = (_total(state, act, w) for w in ("held", "forward", "step"))
-        device = held + forward + step if graphs else held + max(forward, step)
-        if best is None or device > best[1]:
-            best = (held, device)
-    return best
 
 
 def memory_fit(config, profile):
@@ -266,6 +200,35 @@ def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
     machines with `gpus_per_node` GPUs a node (module docstring). `cache`: a dict that a
     search keeps for one profile and gpus_per_node, over configs that differ only in
     layout_key's values: the pieces that read fewer of them are computed once."""
+    before = _before_pipeline(config, profile, gpus_per_node, cache)
+    sim = cached(cache, before[0], simulate, *before[0][1:])
+    return _after_pipeline(config, profile, before, sim, cache)
+
+
+def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
+    """[predict(c, profile, gpus_per_node, cache) for c in configs], the pipeline
+    simulations of one schedule run together (pipeline_sim.simulate_async_batch)."""
+    befores = [_before_pipeline(c, profile, gpus_per_node, cache) for c in configs]
+    batches = {}
+    for before in befores:
+        key = before[0]
+        if key not in cache and key[-1] == "async" and key not in batches.get(key[1:5], {}):
+            batches.setdefault(key[1:5], {})[key] = None
+    for (engine, pp, micro, v), keys in batches.items():
+        keys = list(keys)
+        for i in range(0, len(keys), 256):          # (actions, 256) arrays at most
+            chunk = keys[i:i + 256]
+            sims = simulate_async_batch(engine, pp, micro, v, [k[5] for k in chunk],
+                                        [k[6] for k in chunk], [k[7] for k in chunk])
+            cache.update(zip(chunk, sims))
+    return [_after_pipeline(c, profile, before, cached(cache, before[0], simulate,
+                                                       *before[0][1:]), cache)
+            for c, before in zip(configs, befores)]
+
+
+def _before_pipeline(config, profile, gpus_per_node, cache):
+    """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
+    exposed parts forward and backward, stage times forward and backward, send)."""
     d, t = config.distributed, config.training
     links = Links(profile)
     key = layout_key(config)
@@ -285,9 +248,16 @@ def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
         send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
     engine = d.pp_engine if d.pp_size > 1 else "1f1b"
     mode = profile.traits.get("pp_mode", "async")
-    sim = cached(cache, ("sim", engine, d.pp_size, micro, v, tuple(forward), tuple(backward),
-                         send, mode), simulate, engine, d.pp_size, micro, v, forward, backward,
-                 send, mode)
+    return (("sim", engine, d.pp_size, micro, v, tuple(forward), tuple(backward), send, mode),
+            links, groups, part_f, part_b, forward, backward, send)
+
+
+def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
+    """The step from the simulated pipeline: each rank's tail, the parts, the memory."""
+    d, t = config.distributed, config.training
+    key = layout_key(config)
+    _, links, groups, part_f, part_b, forward, backward, send = before
+    micro, v = t.gradient_accumulation_steps, virtual_stages(config)
     tails = []
     for r in range(d.pp_size):
         chunks = range(r, d.pp_size * v, d.pp_size)
