@@ -7,6 +7,8 @@ a cache, a dict kept for one search, and looks each piece up under the values it
 The keys name those values; tests/test_plan_search_speed.py holds a search's predictions
 with the cache to the ones without it.
 """
+import numpy as np
+
 from picotron.plan.memory_activations import activation_rows, virtual_stages
 from picotron.plan.memory_plan import estimate, has_auto
 from picotron.plan.memory_state import rank_params, state_rows
@@ -57,22 +59,38 @@ def _total(first: dict, second: dict, when: str):
     return total
 
 
+def _rank_parts(rows_of, pp: int, own: tuple):
+    """Each rank's rows as {when: [bytes]}, and, when every rank's rows fall in `own` (the
+    moments this part alone fills), {when: numpy array of each rank's sum}."""
+    parts = [_bytes_by_when(rows_of(r)) for r in range(pp)]
+    if any(set(p) - set(own) - {"host"} for p in parts):
+        return parts, None
+    return parts, {w: np.array([float(sum(p.get(w, ()))) for p in parts]) for w in own}
+
+
 def cached_memory(config, cache) -> tuple:
-    """(held bytes, device bytes) of memory_plan.estimate(config), its rank_estimate's sums
-    in its order (the state rows, then the activation rows), each rank's two parts cached
-    by the knobs they read (memory_state.py, memory_activations.py)."""
+    """(held bytes, device bytes) of memory_plan.estimate(config), the sums of its
+    rank_estimate in its order (the state rows, then the activation rows), each part's rows
+    of every rank cached by the knobs they read (memory_state.py, memory_activations.py)."""
     if has_auto(config):
         e = estimate(config)
         return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    k, v = layout_key(config), virtual_stages(config)
+    k, v, pp = layout_key(config), virtual_stages(config), config.distributed.pp_size
+    state, state_sums = cached(
+        cache, ("state", v) + k[:4] + k[5:6] + k[7:8] + k[9:10], _rank_parts,
+        lambda r: state_rows(config, cached(cache, ("params", r, v) + k[:4], rank_params,
+                                            config, r)), pp, ("held", "step"))
+    act, act_sums = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
+                           _rank_parts, lambda r: activation_rows(config, r), pp, ("forward",))
     graphs = config.training.cuda_graphs is True
+    if state_sums is not None and act_sums is not None:     # the parts' moments apart
+        held, forward, step = state_sums["held"], act_sums["forward"], state_sums["step"]
+        device = held + forward + step if graphs else held + np.maximum(forward, step)
+        best = int(np.argmax(device))                       # the first of the largest
+        return float(held[best]), float(device[best])
     best = None
-    for r in range(config.distributed.pp_size):
-        state = cached(cache, ("state", r, v) + k[:4] + k[5:6] + k[7:8] + k[9:10],
-                       lambda: _bytes_by_when(state_rows(config, rank_params(config, r))))
-        act = cached(cache, ("act", r, v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
-                     lambda: _bytes_by_when(activation_rows(config, r)))
-        held, forward, step = (_total(state, act, w) for w in ("held", "forward", "step"))
+    for r in range(pp):
+        held, forward, step = (_total(state[r], act[r], w) for w in ("held", "forward", "step"))
         device = held + forward + step if graphs else held + max(forward, step)
         if best is None or device > best[1]:
             best = (held, device)

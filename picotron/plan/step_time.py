@@ -114,7 +114,8 @@ def stage_times(config, profile, layer_f, layer_b, cache=None):
     """forward_s[s], backward_s[s] of every virtual stage for one micro-batch."""
     d = config.distributed
     v = virtual_stages(config)
-    layers = stage_layers(config.model.num_hidden_layers, d.pp_size * v)
+    layers = cached(cache, ("stage layers", d.pp_size * v), stage_layers,
+                    config.model.num_hidden_layers, d.pp_size * v)
     ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
     forward, backward = [], []
     for s, held in enumerate(layers):
@@ -226,6 +227,23 @@ def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
             for c, before in zip(configs, befores)]
 
 
+def _tails(config, profile, links, groups, forward, backward, v, cache):
+    """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
+    whose tail is the longest)."""
+    d = config.distributed
+    key = layout_key(config)[:6] + compute_key(config)
+    tails = []
+    for r in range(d.pp_size):     # the middle ranks are alike: each kind computed once
+        chunks = range(r, d.pp_size * v, d.pp_size)
+        rank = cached(cache, ("params", r, v) + key[:4], rank_params, config, r)
+        last_backward = sum(backward[s] for s in chunks)
+        first_forward = sum(forward[s] for s in chunks)
+        tails.append(cached(cache, ("tail", rank, last_backward, first_forward) + key,
+                            after_backward, config, profile, links, groups, rank,
+                            last_backward, first_forward, cache))
+    return tails, max(range(d.pp_size), key=lambda r: sum(tails[r]))
+
+
 def _before_pipeline(config, profile, gpus_per_node, cache):
     """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
     exposed parts forward and backward, stage times forward and backward, send)."""
@@ -255,22 +273,14 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
 def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     """The step from the simulated pipeline: each rank's tail, the parts, the memory."""
     d, t = config.distributed, config.training
-    key = layout_key(config)
     _, links, groups, part_f, part_b, forward, backward, send = before
     micro, v = t.gradient_accumulation_steps, virtual_stages(config)
-    tails = []
-    for r in range(d.pp_size):
-        chunks = range(r, d.pp_size * v, d.pp_size)
-        rank = cached(cache, ("params", r, v) + key[:4], rank_params, config, r)
-        last_backward = sum(backward[s] for s in chunks)
-        first_forward = sum(forward[s] for s in chunks)
-        tails.append(cached(cache, ("tail", rank, last_backward, first_forward) + key[:6]
-                            + compute_key(config), after_backward, config, profile, links,
-                            groups, rank, last_backward, first_forward, cache))
-    tail = max(range(d.pp_size), key=lambda r: sum(tails[r]))
+    tails, tail = cached(cache, ("tails", v) + layout_key(config)[:6] + compute_key(config),
+                         _tails, config, profile, links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
-    busiest = max(range(d.pp_size), key=lambda r: sim.busy_s[r])
-    layers_on = len(stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest])
+    busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
+    layers_on = cached(cache, ("layers on", d.pp_size * v, busiest), lambda: len(
+        stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest]))
     parts = {k: 0.0 for k in PARTS}
     for name in ("tp", "cp", "dp"):
         parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
