@@ -43,23 +43,26 @@ def _dag(engine, pp, micro_batches, v):
     last = pp * v - 1
     index, rows, pos, depth = {}, [], [0] * pp, []
     prev = [-1] * pp
-    while len(rows) < sum(len(o) for o in orders):
+    total = sum(len(o) for o in orders)
+    while len(rows) < total:
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
-                a = orders[r][pos[r]]
-                s = stage_of(a, r, pp)
-                need = _needs(a.kind, s, a.micro, last)
-                if need is not None and need not in index:
+            order, at, before = orders[r], pos[r], prev[r]
+            while at < len(order):
+                kind, chunk, micro = a = order[at]
+                s = chunk * pp + r                              # stage_of
+                need = _needs(kind, s, micro, last)
+                got = -1 if need is None else index.get(need)
+                if got is None:
                     break
-                index[(a.kind, s, a.micro)] = len(rows)
-                got = -1 if need is None else index[need]
-                depth.append(1 + max(depth[prev[r]] if prev[r] >= 0 else -1,
+                index[(kind, s, micro)] = len(rows)
+                depth.append(1 + max(depth[before] if before >= 0 else -1,
                                      depth[got] if got >= 0 else -1))
-                rows.append((r, a.kind == "F", s, a.micro, a.chunk, prev[r], got))
-                prev[r] = len(rows) - 1
-                pos[r] += 1
+                rows.append((r, kind == "F", s, micro, a.chunk, before, got))
+                before = len(rows) - 1
+                at += 1
                 progressed = True
+            pos[r], prev[r] = at, before
         if not progressed:
             raise RuntimeError(f"schedule {engine} deadlocks: every rank waits")
     cols = [np.array(c) for c in zip(*rows)]

@@ -68,6 +68,13 @@ def _rank_parts(rows_of, pp: int, own: tuple):
     return parts, {w: np.array([float(sum(p.get(w, ()))) for p in parts]) for w in own}
 
 
+def _state_rows(config, params, cache):
+    """state_rows, which reads the rank only through its Params: the middle ranks' once."""
+    k = layout_key(config)
+    return cached(cache, ("state rows", params) + k[:4] + k[5:6] + k[7:8] + k[9:10],
+                  state_rows, config, params)
+
+
 def cached_memory(config, cache) -> tuple:
     """(held bytes, device bytes) of memory_plan.estimate(config), the sums of its
     rank_estimate in its order (the state rows, then the activation rows), each part's rows
@@ -78,8 +85,8 @@ def cached_memory(config, cache) -> tuple:
     k, v, pp = layout_key(config), virtual_stages(config), config.distributed.pp_size
     state, state_sums = cached(
         cache, ("state", v) + k[:4] + k[5:6] + k[7:8] + k[9:10], _rank_parts,
-        lambda r: state_rows(config, cached(cache, ("params", r, v) + k[:4], rank_params,
-                                            config, r)), pp, ("held", "step"))
+        lambda r: _state_rows(config, cached(cache, ("params", r, v) + k[:4], rank_params,
+                                             config, r), cache), pp, ("held", "step"))
     act, act_sums = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
                            _rank_parts, lambda r: activation_rows(config, r), pp, ("forward",))
     graphs = config.training.cuda_graphs is True

@@ -213,6 +213,7 @@ def grid_verdict(base: Config, layouts: list, gpus: int) -> str:
     return first[0] if first and last and first[0] == last[0] else ""
 
 
+@functools.lru_cache(maxsize=65536)
 def reason(message: str) -> str:
     """A refusal's message with its numbers masked, so that layouts refused by one rule count
     together ('tp_size=16' and 'tp_size=32' alike)."""

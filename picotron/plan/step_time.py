@@ -234,10 +234,9 @@ def _tails(config, profile, links, groups, forward, backward, v, cache):
     key = layout_key(config)[:6] + compute_key(config)
     tails = []
     for r in range(d.pp_size):     # the middle ranks are alike: each kind computed once
-        chunks = range(r, d.pp_size * v, d.pp_size)
         rank = cached(cache, ("params", r, v) + key[:4], rank_params, config, r)
-        last_backward = sum(backward[s] for s in chunks)
-        first_forward = sum(forward[s] for s in chunks)
+        last_backward = sum(backward[r::d.pp_size])         # the rank's chunks, in order
+        first_forward = sum(forward[r::d.pp_size])
         tails.append(cached(cache, ("tail", rank, last_backward, first_forward) + key,
                             after_backward, config, profile, links, groups, rank,
                             last_backward, first_forward, cache))
@@ -248,7 +247,7 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
     """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
     exposed parts forward and backward, stage times forward and backward, send)."""
     d, t = config.distributed, config.training
-    links = Links(profile)
+    links = cached(cache, ("links",), Links, profile)
     key = layout_key(config)
     groups = cached(cache, ("groups",) + key[:4], layout_groups, config, profile, gpus_per_node)
     layer_f, layer_b, part_f, part_b = cached(
