@@ -216,3 +216,40 @@ def idle_share(sim: Simulation) -> float:
     """The share of the ranks' time (pp x makespan) in which they compute nothing."""
     total = len(sim.busy_s) * sim.makespan_s
     return 1 - sum(sim.busy_s) / total
+
+
+class TailEvents(Sequence):
+    """Each pipeline rank's gradient reduction and optimizer after the simulated makespan, as
+    timeline events, built when read."""
+
+    def __init__(self, makespan, tails):
+        self.makespan, self.tails = makespan, tails
+
+    def __len__(self):
+        return 2 * len(self.tails)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        r, second = divmod(range(len(self))[i], 2)
+        dp, opt = self.tails[r]
+        start = self.makespan + (dp if second else 0.0)
+        return (r, "comm", -1, -1, start, self.makespan + dp + (opt if second else 0.0))
+
+
+class Joined(Sequence):
+    """Two sequences read as one, the first built only when read."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __len__(self):
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.first)
+        if i < 0:
+            i += len(self)
+        return self.first[i] if i < n else self.second[i - n]

@@ -31,7 +31,7 @@ from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB, layer_params, rank_params
 from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
-from picotron.plan.pipeline_sim import simulate, simulate_async_batch
+from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -154,46 +154,10 @@ def after_backward(config, profile, links, groups, rank, last_backward, first_fo
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    return reduce + gather, cached(cache, ("optimizer", params) + compute_key(config)
-                                   + layout_key(config)[:6], optimizer_s, config, profile,
-                                   params) + host
-
-
-class _TailEvents(Sequence):
-    """Each pipeline rank's gradient reduction and optimizer after the simulated makespan, as
-    timeline events, built when read."""
-
-    def __init__(self, makespan, tails):
-        self.makespan, self.tails = makespan, tails
-
-    def __len__(self):
-        return 2 * len(self.tails)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        r, second = divmod(range(len(self))[i], 2)
-        dp, opt = self.tails[r]
-        start = self.makespan + (dp if second else 0.0)
-        return (r, "comm", -1, -1, start, self.makespan + dp + (opt if second else 0.0))
-
-
-class _Joined(Sequence):
-    """Two sequences read as one, the first built only when read."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def __len__(self):
-        return len(self.first) + len(self.second)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self.first)
-        if i < 0:
-            i += len(self)
-        return self.first[i] if i < n else self.second[i - n]
+    # optimizer_s reads the ZeRO shards (dp, cp, zero) of layout_key, and compute_key's
+    return reduce + gather, cached(cache, ("optimizer", params, d.dp_size, d.cp_size,
+                                           d.zero_stage) + compute_key(config), optimizer_s,
+                                   config, profile, params) + host
 
 
 def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
@@ -254,8 +218,10 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
         cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
         groups, cache)
     v = virtual_stages(config)
-    forward, backward, v = cached(cache, ("stages", v) + key[:6] + compute_key(config),
-                                  stage_times, config, profile, layer_f, layer_b, cache)
+    # stage_times reads the layer's times, pp and v, and compute_time's ends
+    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v)
+                                  + compute_key(config), stage_times, config, profile, layer_f,
+                                  layer_b, cache)
     micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
@@ -304,4 +270,4 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
                       {k: float(v) for k, v in parts.items()},
-                      _Joined(sim.timeline, _TailEvents(sim.makespan_s, tails)))
+                      Joined(sim.timeline, TailEvents(sim.makespan_s, tails)))
