@@ -85,8 +85,10 @@ def cached_memory(config, cache) -> tuple:
     k, v, pp = layout_key(config), virtual_stages(config), config.distributed.pp_size
     state, state_sums = cached(
         cache, ("state", v) + k[:4] + k[5:6] + k[7:8] + k[9:10], _rank_parts,
-        lambda r: _state_rows(config, cached(cache, ("params", r, v) + k[:4], rank_params,
-                                             config, r), cache), pp, ("held", "step"))
+        lambda r: _state_rows(config, cached(
+            cache, ("rank params", v) + k[:4],
+            lambda: [rank_params(config, i) for i in range(pp)])[r], cache), pp,
+        ("held", "step"))
     act, act_sums = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
                            _rank_parts, lambda r: activation_rows(config, r), pp, ("forward",))
     graphs = config.training.cuda_graphs is True

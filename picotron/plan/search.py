@@ -167,12 +167,11 @@ def judge(base: Config, layout: dict, gpus: int):
     config_from_dict(raw, world_size=gpus) decides, for a raw dict whose types are right.
     `base` passed config_from_dict, so of range_errors only the knobs' own ranges can fail
     (its other checks read the dataset section, which the layout does not touch)."""
-    given = with_layout(base, layout)
     errors = knob_range_errors(layout)
     if errors:
         return None, errors
-    resolved = _copy(given)
-    resolved.model, resolved.training = _copy(given.model), _copy(given.training)
+    resolved = with_layout(base, layout)        # its own sections, resolved in place
+    resolved.model = _copy(base.model)
     resolve_auto(resolved)
     errors = layout_errors(resolved, gpus)
     return (None, errors) if errors else (resolved, [])

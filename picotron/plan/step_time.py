@@ -194,17 +194,21 @@ def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
 def _tails(config, profile, links, groups, forward, backward, v, cache):
     """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
     whose tail is the longest)."""
-    d = config.distributed
+    pp = config.distributed.pp_size
     key = layout_key(config)[:6] + compute_key(config)
-    tails = []
-    for r in range(d.pp_size):     # the middle ranks are alike: each kind computed once
-        rank = cached(cache, ("params", r, v) + key[:4], rank_params, config, r)
-        last_backward = sum(backward[r::d.pp_size])         # the rank's chunks, in order
-        first_forward = sum(forward[r::d.pp_size])
-        tails.append(cached(cache, ("tail", rank, last_backward, first_forward) + key,
-                            after_backward, config, profile, links, groups, rank,
-                            last_backward, first_forward, cache))
-    return tails, max(range(d.pp_size), key=lambda r: sum(tails[r]))
+    ranks = cached(cache, ("rank params", v) + key[:4],
+                   lambda: [rank_params(config, r) for r in range(pp)])
+    tails, alike = [], {}
+    for r, rank in enumerate(ranks):    # the middle ranks are alike: each kind computed once
+        last_backward = sum(backward[r::pp])                # the rank's chunks, in order
+        first_forward = sum(forward[r::pp])
+        inputs = (rank, last_backward, first_forward)
+        if inputs not in alike:
+            alike[inputs] = cached(cache, ("tail",) + inputs + key, after_backward, config,
+                                   profile, links, groups, rank, last_backward,
+                                   first_forward, cache)
+        tails.append(alike[inputs])
+    return tails, max(range(pp), key=lambda r: sum(tails[r]))
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
