@@ -140,7 +140,7 @@ def write_profile(numbers: dict, when: str):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--per_cell", type=int, default=30,
                         help="rows of each (model, nodes) cell the time fit uses")
     parser.add_argument("--max_evals", type=int, default=60,

@@ -156,3 +156,18 @@ def test_no_fp8_without_fp8_tensor_cores_and_a_batch_that_is_not_whole_sequences
     assert fp8_options(types.SimpleNamespace(numbers={}, traits={})) == ("none",)
     with pytest.raises(ConfigError, match="multiple of it"):
         search(base_raw(TINY), GPUS, SEQ * SEQUENCES + 1, FP8_PROFILE, predict=stub_predict)
+
+
+def test_a_tensor_parallel_group_across_nodes_is_refused_as_a_launch_refuses_it():
+    # 4 GPUs as 4 nodes of 1: tp 2 would span two nodes, which the launch refuses
+    # (check_nodes); with the 4 in one node it is scored
+    raw = base_raw(TINY)
+    apart = search(raw, GPUS, SEQUENCES * SEQ, FP8_PROFILE, gpus_per_node=1,
+                   predict=stub_predict, keep_refused=True)
+    together = search(raw, GPUS, SEQUENCES * SEQ, FP8_PROFILE, gpus_per_node=4,
+                      predict=stub_predict)
+    assert not any(s.layout["tp"] > 1 for s in apart.ranked) and apart.ranked
+    assert any(s.layout["tp"] == 2 for s in together.ranked)
+    said = {m for layout, m in apart.refused_layouts if layout["tp"] == 2}
+    assert said and all("tp_size=2 does not divide the 1 processes (GPUs) per node" in m
+                        for m in said)

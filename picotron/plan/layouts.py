@@ -11,8 +11,9 @@ else as a string. `pp_engine` may be `interleaved:V`, V model chunks per pipelin
 """
 import json
 
-from picotron.config import Config, config_from_dict
+from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config.presets import resolve_model
+from picotron.process_group_manager import check_nodes
 
 LAYOUT_COLUMNS = ("layers hidden heads kv_heads ffn vocab tied seq gpus gpus_per_node "
                   "dp tp pp cp zero mbs grad_acc").split()
@@ -125,3 +126,17 @@ def row_of(config, gpus_per_node: int) -> dict:
             "zero": d.zero_stage, "mbs": t.micro_batch_size,
             "grad_acc": t.gradient_accumulation_steps,
             "recompute": t.activation_checkpointing, "fp8": t.fp8, "pp_engine": engine}
+
+
+def node_refusal(grid: dict, gpus: int, gpus_per_node) -> str:
+    """Why a launch of `grid` ({"tp": .., "cp": ..}) on nodes of `gpus_per_node` GPUs is
+    refused (a tensor-parallel group across two nodes: process_group_manager.check_nodes),
+    or '' (also when no node size is given)."""
+    if not gpus_per_node:
+        return ""
+    try:
+        check_nodes(grid["tp"], grid["cp"], gpus_per_node, gpus)
+    except ConfigError as refused:
+        return str(refused)
+    return ""
+

@@ -72,11 +72,20 @@ def rank_estimate(config, pp_rank: int) -> Estimate:
 
 def estimate(config) -> Estimate:
     """The estimate of the pipeline rank that needs the most device memory. "auto" options
-    are counted as what they resolve to (config.resolve_auto), on a copy."""
-    config = copy.deepcopy(config)
-    resolve_auto(config)
+    are counted as what they resolve to (config.resolve_auto), on a copy; a config with none
+    left (a search's, resolved) is read as it is."""
+    if has_auto(config):
+        config = copy.deepcopy(config)
+        resolve_auto(config)
     return max((rank_estimate(config, r) for r in range(config.distributed.pp_size)),
                key=lambda e: e.device_bytes)
+
+
+def has_auto(config) -> bool:
+    """Whether any option resolve_auto resolves is still "auto"."""
+    m, t = config.model, config.training
+    return "auto" in (m.kernels, t.fused_loss, t.activation_checkpointing, t.fp8) or (
+        t.cuda_graphs == "auto")
 
 
 def describe(e: Estimate) -> str:

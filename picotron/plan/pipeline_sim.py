@@ -41,31 +41,35 @@ def _dag(engine, pp, micro_batches, v):
     graph is one vector step a level."""
     orders = schedule_orders(engine, pp, micro_batches, v)
     last = pp * v - 1
-    index, rows, pos = {}, [], [0] * pp
+    index, rows, pos, depth = {}, [], [0] * pp, []
     prev = [-1] * pp
-    while len(rows) < sum(len(o) for o in orders):
+    total = sum(len(o) for o in orders)
+    while len(rows) < total:
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
-                a = orders[r][pos[r]]
-                s = stage_of(a, r, pp)
-                need = _needs(a.kind, s, a.micro, last)
-                if need is not None and need not in index:
+            order, at, before = orders[r], pos[r], prev[r]
+            while at < len(order):
+                kind, chunk, micro = a = order[at]
+                s = chunk * pp + r                              # stage_of
+                need = _needs(kind, s, micro, last)
+                got = -1 if need is None else index.get(need)
+                if got is None:
                     break
-                index[(a.kind, s, a.micro)] = len(rows)
-                rows.append((r, a.kind == "F", s, a.micro, a.chunk, prev[r],
-                             -1 if need is None else index[need]))
-                prev[r] = len(rows) - 1
-                pos[r] += 1
+                index[(kind, s, micro)] = len(rows)
+                depth.append(1 + max(depth[before] if before >= 0 else -1,
+                                     depth[got] if got >= 0 else -1))
+                rows.append((r, kind == "F", s, micro, a.chunk, before, got))
+                before = len(rows) - 1
+                at += 1
                 progressed = True
+            pos[r], prev[r] = at, before
         if not progressed:
             raise RuntimeError(f"schedule {engine} deadlocks: every rank waits")
     cols = [np.array(c) for c in zip(*rows)]
     rank, forward, stage, micro, chunk, before, input_of = cols
-    depth = np.zeros(len(rows), dtype=int)
-    for i, (b, d) in enumerate(zip(before, input_of)):
-        depth[i] = 1 + max(depth[b] if b >= 0 else -1, depth[d] if d >= 0 else -1)
-    levels = [np.flatnonzero(depth == k) for k in range(depth.max() + 1)]
+    depth = np.array(depth)
+    order = np.argsort(depth, kind="stable")        # each level's actions in index order
+    levels = np.split(order, np.flatnonzero(np.diff(depth[order])) + 1)
     n = len(rows)        # index n stands for "nothing": its end time is 0
     return (rank, forward, stage, micro, chunk, np.where(before < 0, n, before),
             np.where(input_of < 0, n, input_of), input_of >= 0, levels)
@@ -84,6 +88,47 @@ def simulate_async(engine, pp, micro_batches, v, forward_s, backward_s, send_s) 
     return Simulation(float(end.max()), list(busy),
                       _AsyncTimeline(rank, forward, micro, chunk, start, end[:-1],
                                      input_of, has_input, send_s))
+
+
+def simulate_async_batch(engine, pp, micro_batches, v, forward_s, backward_s, send_s) -> list:
+    """simulate_async for B sets of durations at once (forward_s, backward_s: B rows of S;
+    send_s: B), each row's arithmetic the same operations in the same order, so each
+    Simulation equals simulate_async's; their timelines are simulated again when read."""
+    rank, forward, stage, micro, chunk, before, input_of, has_input, levels = _dag(
+        engine, pp, micro_batches, v)
+    f, b = np.asarray(forward_s, dtype=float), np.asarray(backward_s, dtype=float)
+    send = np.asarray(send_s, dtype=float)
+    dur = np.where(forward[:, None], f[:, stage].T, b[:, stage].T)        # (actions, B)
+    end = np.zeros((len(dur) + 1, len(send)))
+    has = has_input[:, None]
+    for idx in levels:
+        start = np.maximum(end[before[idx]], end[input_of[idx]] + send * has[idx])
+        end[idx] = start + dur[idx]
+    makespan = end.max(axis=0)
+    out = []
+    for j in range(len(send)):
+        busy = np.bincount(rank, weights=dur[:, j], minlength=pp)
+        args = (engine, pp, micro_batches, v, forward_s[j], backward_s[j], send_s[j])
+        out.append(Simulation(float(makespan[j]), list(busy), _Later(args)))
+    return out
+
+
+class _Later(Sequence):
+    """A batched simulation's timeline: simulate_async's, run when first read."""
+
+    def __init__(self, args):
+        self._args, self._events = args, None
+
+    def _timeline(self):
+        if self._events is None:
+            self._events = simulate_async(*self._args).timeline
+        return self._events
+
+    def __getitem__(self, i):
+        return self._timeline()[i]
+
+    def __len__(self):
+        return len(self._timeline())
 
 
 class _AsyncTimeline(Sequence):
@@ -171,3 +216,40 @@ def idle_share(sim: Simulation) -> float:
     """The share of the ranks' time (pp x makespan) in which they compute nothing."""
     total = len(sim.busy_s) * sim.makespan_s
     return 1 - sum(sim.busy_s) / total
+
+
+class TailEvents(Sequence):
+    """Each pipeline rank's gradient reduction and optimizer after the simulated makespan, as
+    timeline events, built when read."""
+
+    def __init__(self, makespan, tails):
+        self.makespan, self.tails = makespan, tails
+
+    def __len__(self):
+        return 2 * len(self.tails)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        r, second = divmod(range(len(self))[i], 2)
+        dp, opt = self.tails[r]
+        start = self.makespan + (dp if second else 0.0)
+        return (r, "comm", -1, -1, start, self.makespan + dp + (opt if second else 0.0))
+
+
+class Joined(Sequence):
+    """Two sequences read as one, the first built only when read."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __len__(self):
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.first)
+        if i < 0:
+            i += len(self)
+        return self.first[i] if i < n else self.second[i - n]

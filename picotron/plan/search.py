@@ -25,7 +25,7 @@ refused for it, unjudged. tests/test_plan_search.py holds the accepted set to a 
 filter through config_from_dict itself. Each accepted layout is then scored by
 step_time.predict; one that does not fit the GPU's memory is refused with the model's note.
 """
-import dataclasses
+import functools
 import re
 import time
 from collections import Counter
@@ -36,6 +36,7 @@ from picotron.config.overrides import apply_overrides
 from picotron.config.presets import resolve_model
 from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES, layout_errors
 from picotron.config.ranges import RANGES
+from picotron.plan.layouts import node_refusal
 
 # short name -> (section, key) of the config; the CSV columns and the table use the short names
 LAYOUT_KEYS = {
@@ -129,9 +130,9 @@ def subtree(grid: dict, sequences: int, layers: int, fp8: tuple, fixed: dict, ba
                                "interleave": v}
 
 
-def grid_layouts(gpus: int, sequences: int, fixed: dict, base: dict):
+def grid_layouts(gpus: int, sequences: int, fixed: dict, base: dict, gpus_per_node=None):
     """(grid, why not) for every grid of `gpus` with its cp_mode: why not is '' or the reason
-    no micro-batch x accumulation makes the global batch."""
+    no micro-batch x accumulation makes the global batch, or a launch would refuse the grid."""
     for grid in grids(gpus, fixed):
         modes = (fixed.get("cp_mode", base["cp_mode"]),) if grid["cp"] == 1 else (
             (fixed["cp_mode"],) if "cp_mode" in fixed else CP_MODES)
@@ -139,19 +140,27 @@ def grid_layouts(gpus: int, sequences: int, fixed: dict, base: dict):
             why = "" if sequences % grid["dp"] == 0 else (
                 f"dp_size={grid['dp']} does not divide the global batch of {sequences} "
                 f"sequences: no micro-batch x accumulation makes it")
-            yield {**grid, "cp_mode": mode}, why
+            yield {**grid, "cp_mode": mode}, why or node_refusal(grid, gpus, gpus_per_node)
+
+
+def _copy(section):
+    """A shallow copy of a config section: dataclasses.replace(section) without its __init__
+    (the sections are plain dataclasses: no __post_init__, every field an init field)."""
+    copy = object.__new__(type(section))
+    copy.__dict__.update(section.__dict__)
+    return copy
 
 
 def with_layout(base: Config, layout: dict) -> Config:
     """`base` (as given, "auto" unresolved) with the layout's knobs set; sections the layout
     does not touch are shared, not copied."""
-    changes = {"distributed": {}, "training": {}}
+    config, distributed, training = _copy(base), _copy(base.distributed), _copy(base.training)
+    config.distributed, config.training = distributed, training
+    sections = {"distributed": distributed, "training": training}
     for name, value in layout.items():
         section, key = LAYOUT_KEYS[name]
-        changes[section][key] = value
-    return dataclasses.replace(
-        base, distributed=dataclasses.replace(base.distributed, **changes["distributed"]),
-        training=dataclasses.replace(base.training, **changes["training"]))
+        setattr(sections[section], key, value)
+    return config
 
 
 def judge(base: Config, layout: dict, gpus: int):
@@ -159,27 +168,37 @@ def judge(base: Config, layout: dict, gpus: int):
     config_from_dict(raw, world_size=gpus) decides, for a raw dict whose types are right.
     `base` passed config_from_dict, so of range_errors only the knobs' own ranges can fail
     (its other checks read the dataset section, which the layout does not touch)."""
-    given = with_layout(base, layout)
-    resolved = dataclasses.replace(given, model=dataclasses.replace(given.model),
-                                   training=dataclasses.replace(given.training))
+    errors = knob_range_errors(layout)
+    if errors:
+        return None, errors
+    resolved = with_layout(base, layout)        # its own sections, resolved in place
+    resolved.model = _copy(base.model)
     resolve_auto(resolved)
-    errors = knob_range_errors(given, layout) or layout_errors(resolved, gpus)
+    errors = layout_errors(resolved, gpus)
     return (None, errors) if errors else (resolved, [])
 
 
-def knob_range_errors(config: Config, layout: dict) -> list:
+def knob_range_errors(layout: dict) -> list:
     """range_errors' message for each knob of `layout` outside its range (RANGES' own)."""
     errors = []
-    for name in layout:
-        section, key = LAYOUT_KEYS[name]
-        allowed, why = RANGES.get(f"{section}.{key}", (None, ""))
-        value = getattr(getattr(config, section), key)
-        problem = allowed.problem(value) if allowed is not None else None
-        if problem:
-            default = getattr(getattr(Config(), section), key)
-            errors.append(f"{section}.{key}={value!r} {problem} ({why}); set it in {allowed}, "
-                          f"e.g. {default!r} (the default)")
+    for name, value in layout.items():
+        message = _knob_range_error(name, value)
+        if message:
+            errors.append(message)
     return errors
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _knob_range_error(name: str, value) -> str:
+    """One knob's range_errors message, '' in range: a function of the value alone."""
+    section, key = LAYOUT_KEYS[name]
+    allowed, why = RANGES.get(f"{section}.{key}", (None, ""))
+    problem = allowed.problem(value) if allowed is not None else None
+    if not problem:
+        return ""
+    default = getattr(getattr(Config(), section), key)
+    return (f"{section}.{key}={value!r} {problem} ({why}); set it in {allowed}, "
+            f"e.g. {default!r} (the default)")
 
 
 def grid_verdict(base: Config, layouts: list, gpus: int) -> str:
@@ -194,6 +213,7 @@ def grid_verdict(base: Config, layouts: list, gpus: int) -> str:
     return first[0] if first and last and first[0] == last[0] else ""
 
 
+@functools.lru_cache(maxsize=65536)
 def reason(message: str) -> str:
     """A refusal's message with its numbers masked, so that layouts refused by one rule count
     together ('tp_size=16' and 'tp_size=32' alike)."""
@@ -215,10 +235,9 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
     """Judge and score every layout of `gpus` GPUs for the config `raw` (a config dict: its
     model, seq_length and any other key the user set; the layout's knobs are overwritten).
     `fixed`: knobs given by the user (short names), kept as given. `predict`: the step-time
-    model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict)."""
+    model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict,
+    through step_time.predict_many: the same predictions, sharing their common pieces)."""
     start = time.perf_counter()
-    if predict is None:
-        from picotron.plan.step_time import predict
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(LAYOUT_KEYS))
     if unknown:
@@ -245,23 +264,33 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
         if keep_refused:
             result.refused_layouts.append((layout, message))
     layers = base.model.num_hidden_layers
-    for grid, why_not in grid_layouts(gpus, sequences, fixed, defaults):
+    judged = []             # (layout, resolved Config or None, the refusal or '')
+    for grid, why_not in grid_layouts(gpus, sequences, fixed, defaults, gpus_per_node):
         if why_not:
-            refuse(grid, why_not)
+            judged.append((grid, None, why_not))
             continue
         layouts = list(subtree(grid, sequences, layers, fp8_options(profile), fixed, defaults))
         verdict = grid_verdict(base, layouts, gpus)
         for layout in layouts:
             result.considered += 1
             config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus)
-            if errors:
-                refuse(layout, errors[0])
-                continue
-            prediction = predict(config, profile, gpus_per_node)
-            if not prediction.fits:
-                refuse(layout, prediction.note or "does not fit")
-                continue
-            result.ranked.append(Scored(layout, prediction))
+            judged.append((layout, config, errors[0] if errors else ""))
+    # every accepted layout scored, then each judged layout's outcome in the order judged
+    configs = [config for _, config, _ in judged if config is not None]
+    if predict is None:     # the model, the pieces layouts share computed once
+        from picotron.plan.step_time import predict_many
+        predictions = iter(predict_many(configs, profile, gpus_per_node, {}))
+    else:
+        predictions = (predict(config, profile, gpus_per_node) for config in configs)
+    for layout, config, message in judged:
+        if config is None:
+            refuse(layout, message)
+            continue
+        prediction = next(predictions)
+        if not prediction.fits:
+            refuse(layout, prediction.note or "does not fit")
+            continue
+        result.ranked.append(Scored(layout, prediction))
     # fastest first; of two as fast, the one that needs less memory
     result.ranked.sort(key=lambda s: (-s.prediction.tok_s_gpu, s.prediction.mem_gib))
     result.seconds = time.perf_counter() - start

@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
+from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB, layer_params, rank_params
-from picotron.plan.pipeline_sim import simulate
+from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
+from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -54,12 +56,17 @@ def memory_fit(config, profile):
     profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
     a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
     e = estimate(config)
-    held = sum(r.bytes for r in e.rows if r.when == "held")
+    return fit_of(config, profile, sum(r.bytes for r in e.rows if r.when == "held"),
+                  e.device_bytes)
+
+
+def fit_of(config, profile, held, device_bytes):
+    """memory_fit from the estimate's held bytes and its device bytes."""
     t, d = config.training, config.distributed
     logits = t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
                                                                   d.tp_size)
     need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
-        e.device_bytes - held) + profile["mem_logit_bytes"] * logits
+        device_bytes - held) + profile["mem_logit_bytes"] * logits
         + profile["mem_extra_gib"] * GiB)
     # a trainer whose memory the profile predicts only within some error must leave
     # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
@@ -70,11 +77,11 @@ def memory_fit(config, profile):
                                f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
 
 
-def layer_pass(config, profile, links, groups):
+def layer_pass(config, profile, links, groups, cache=None):
     """(forward, backward) seconds of one layer, one micro-batch, one rank, and the
     exposed tp, cp and ZeRO-3 communication inside each (dicts)."""
     d = config.distributed
-    lt = layer_time(config, profile)
+    lt = cached(cache, compute_key(config), layer_time, config, profile)
     tokens = config.training.micro_batch_size * config.training.seq_length // d.cp_size
     tp = tp_layer_s(config, links, groups["tp"], tokens)
     if d.tp_comm_overlap:
@@ -105,12 +112,13 @@ def layer_pass(config, profile, links, groups):
             exposed_f, exposed_b)
 
 
-def stage_times(config, profile, layer_f, layer_b):
+def stage_times(config, profile, layer_f, layer_b, cache=None):
     """forward_s[s], backward_s[s] of every virtual stage for one micro-batch."""
     d = config.distributed
-    v = d.pp_virtual_stages if d.pp_engine == "interleaved" and d.pp_size > 1 else 1
-    layers = stage_layers(config.model.num_hidden_layers, d.pp_size * v)
-    ends = ends_time(config, profile)
+    v = virtual_stages(config)
+    layers = cached(cache, ("stage layers", d.pp_size * v), stage_layers,
+                    config.model.num_hidden_layers, d.pp_size * v)
+    ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
     forward, backward = [], []
     for s, held in enumerate(layers):
         f = len(held) * layer_f + ends["micro"][0] + profile["micro_s"]
@@ -123,10 +131,12 @@ def stage_times(config, profile, layer_f, layer_b):
     return forward, backward, v
 
 
-def after_backward(config, profile, links, groups, pp_rank, last_backward, first_forward):
-    """(dp exposed, optimizer) seconds of one pipeline rank at the step's end."""
+def after_backward(config, profile, links, groups, rank, last_backward, first_forward,
+                   cache=None):
+    """(dp exposed, optimizer) seconds of one pipeline rank (its Params, rank_params) at the
+    step's end."""
     d = config.distributed
-    params = rank_params(config, pp_rank).total
+    params = rank.total
     wire = 4 if d.grad_reduce_dtype == "float32" else 2
     shape = groups["cp_dp"]
     if d.zero_stage == 0:
@@ -135,7 +145,7 @@ def after_backward(config, profile, links, groups, pp_rank, last_backward, first
         reduce, gather = links.all_gather(params * wire, shape), links.all_gather(
             params * BF16, shape)
     else:                                 # ZeRO-3: the layers' part is inside their passes
-        root = rank_params(config, pp_rank).root
+        root = rank.root
         reduce, gather = links.all_gather(root * wire, shape), 0.0
     if d.overlap_grad_reduce:
         bucket = links.all_reduce(min(params * wire, d.bucket_size_mb * 2 ** 20), shape)
@@ -146,35 +156,78 @@ def after_backward(config, profile, links, groups, pp_rank, last_backward, first
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    return reduce + gather, optimizer_s(config, profile, params) + host
+    # optimizer_s reads the ZeRO shards (dp, cp, zero) of layout_key, and compute_key's
+    return reduce + gather, cached(cache, ("optimizer", params, d.dp_size, d.cp_size,
+                                           d.zero_stage) + compute_key(config), optimizer_s,
+                                   config, profile, params) + host
 
 
-class _Joined(Sequence):
-    """Two sequences read as one, the first built only when read."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def __len__(self):
-        return len(self.first) + len(self.second)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self.first)
-        if i < 0:
-            i += len(self)
-        return self.first[i] if i < n else self.second[i - n]
-
-
-def predict(config, profile, gpus_per_node: int) -> Prediction:
+def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
     """The predicted step of `config` (a Config the config's checks accepted) on `profile`'s
-    machines with `gpus_per_node` GPUs a node (module docstring)."""
+    machines with `gpus_per_node` GPUs a node (module docstring). `cache`: a dict that a
+    search keeps for one profile and gpus_per_node, over configs that differ only in
+    layout_key's values: the pieces that read fewer of them are computed once."""
+    before = _before_pipeline(config, profile, gpus_per_node, cache)
+    sim = cached(cache, before[0], simulate, *before[0][1:])
+    return _after_pipeline(config, profile, before, sim, cache)
+
+
+def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
+    """[predict(c, profile, gpus_per_node, cache) for c in configs], the pipeline
+    simulations of one schedule run together (pipeline_sim.simulate_async_batch)."""
+    befores = [_before_pipeline(c, profile, gpus_per_node, cache) for c in configs]
+    batches = {}
+    for before in befores:
+        key = before[0]
+        if key not in cache and key[-1] == "async" and key not in batches.get(key[1:5], {}):
+            batches.setdefault(key[1:5], {})[key] = None
+    for (engine, pp, micro, v), keys in batches.items():
+        keys = list(keys)
+        for i in range(0, len(keys), 256):          # (actions, 256) arrays at most
+            chunk = keys[i:i + 256]
+            sims = simulate_async_batch(engine, pp, micro, v, [k[5] for k in chunk],
+                                        [k[6] for k in chunk], [k[7] for k in chunk])
+            cache.update(zip(chunk, sims))
+    return [_after_pipeline(c, profile, before, cached(cache, before[0], simulate,
+                                                       *before[0][1:]), cache)
+            for c, before in zip(configs, befores)]
+
+
+def _tails(config, profile, links, groups, forward, backward, v, cache):
+    """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
+    whose tail is the longest)."""
+    pp = config.distributed.pp_size
+    key = layout_key(config)[:6] + compute_key(config)
+    ranks = cached(cache, ("rank params", v) + key[:4],
+                   lambda: [rank_params(config, r) for r in range(pp)])
+    tails, alike = [], {}
+    for r, rank in enumerate(ranks):    # the middle ranks are alike: each kind computed once
+        last_backward = sum(backward[r::pp])                # the rank's chunks, in order
+        first_forward = sum(forward[r::pp])
+        inputs = (rank, last_backward, first_forward)
+        if inputs not in alike:
+            alike[inputs] = cached(cache, ("tail",) + inputs + key, after_backward, config,
+                                   profile, links, groups, rank, last_backward,
+                                   first_forward, cache)
+        tails.append(alike[inputs])
+    return tails, max(range(pp), key=lambda r: sum(tails[r]))
+
+
+def _before_pipeline(config, profile, gpus_per_node, cache):
+    """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
+    exposed parts forward and backward, stage times forward and backward, send)."""
     d, t = config.distributed, config.training
-    links = Links(profile)
-    groups = layout_groups(config, profile, gpus_per_node)
-    layer_f, layer_b, part_f, part_b = layer_pass(config, profile, links, groups)
-    forward, backward, v = stage_times(config, profile, layer_f, layer_b)
+    links = cached(cache, ("links",), Links, profile)
+    key = layout_key(config)
+    groups = cached(cache, ("groups",) + key[:4], layout_groups, config, profile, gpus_per_node)
+    layer_f, layer_b, part_f, part_b = cached(
+        cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
+        groups, cache)
+    v = virtual_stages(config)
+    # stage_times reads the layer's times, pp and v, and compute_time's ends
+    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v)
+                                  + compute_key(config), stage_times, config, profile, layer_f,
+                                  layer_b, cache)
     micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
@@ -182,33 +235,38 @@ def predict(config, profile, gpus_per_node: int) -> Prediction:
         act = tokens * config.model.hidden_size * BF16
         act /= d.tp_size if d.sequence_parallel else 1
         send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
-    sim = simulate(d.pp_engine if d.pp_size > 1 else "1f1b", d.pp_size, micro, v, forward,
-                   backward, send, profile.traits.get("pp_mode", "async"))
-    tails, comm_events = [], []
-    for r in range(d.pp_size):
-        chunks = range(r, d.pp_size * v, d.pp_size)
-        dp, opt = after_backward(config, profile, links, groups, r,
-                                 sum(backward[s] for s in chunks),
-                                 sum(forward[s] for s in chunks))
-        tails.append((dp, opt))
-        comm_events += [(r, "comm", -1, -1, sim.makespan_s, sim.makespan_s + dp),
-                        (r, "comm", -1, -1, sim.makespan_s + dp, sim.makespan_s + dp + opt)]
-    tail = max(range(d.pp_size), key=lambda r: sum(tails[r]))
+    engine = d.pp_engine if d.pp_size > 1 else "1f1b"
+    mode = profile.traits.get("pp_mode", "async")
+    return (("sim", engine, d.pp_size, micro, v, tuple(forward), tuple(backward), send, mode),
+            links, groups, part_f, part_b, forward, backward, send)
+
+
+def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
+    """The step from the simulated pipeline: each rank's tail, the parts, the memory."""
+    d, t = config.distributed, config.training
+    _, links, groups, part_f, part_b, forward, backward, send = before
+    micro, v = t.gradient_accumulation_steps, virtual_stages(config)
+    tails, tail = cached(cache, ("tails", v) + layout_key(config)[:6] + compute_key(config),
+                         _tails, config, profile, links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
-    busiest = max(range(d.pp_size), key=lambda r: sim.busy_s[r])
-    layers_on = len(stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest])
+    busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
+    layers_on = cached(cache, ("layers on", d.pp_size * v, busiest), lambda: len(
+        stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest]))
     parts = {k: 0.0 for k in PARTS}
-    for key in ("tp", "cp", "dp"):
-        parts[key] = micro * v * layers_on * (part_f[key] + part_b[key])
+    for name in ("tp", "cp", "dp"):
+        parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
     parts["compute"] = sim.busy_s[busiest] - parts["tp"] - parts["cp"] - parts["dp"]
     idle = sim.makespan_s - sim.busy_s[busiest]
     parts["pp"] = min(idle, 2 * (d.pp_size - 1) * send)
     parts["pipeline_idle"] = idle - parts["pp"]
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
-    mem, fits, note = memory_fit(config, profile)
+    if cache is None:
+        mem, fits, note = memory_fit(config, profile)
+    else:
+        mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
                       {k: float(v) for k, v in parts.items()},
-                      _Joined(sim.timeline, comm_events))
+                      Joined(sim.timeline, TailEvents(sim.makespan_s, tails)))

@@ -127,8 +127,14 @@ def symbols(config, tokens: int = None) -> dict:
     return s
 
 
+_COMPILED = {}          # formula -> its code, compiled once (a search evaluates each often)
+
+
 def evaluate(formula: str, values: dict) -> float:
-    return eval(formula, {"__builtins__": {}}, values)
+    code = _COMPILED.get(formula)
+    if code is None:
+        code = _COMPILED[formula] = compile(formula, "<traffic formula>", "eval")
+    return eval(code, {"__builtins__": {}}, values)
 
 
 def step_traffic(config) -> dict:

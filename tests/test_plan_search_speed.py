@@ -1,0 +1,57 @@
+"""The search's fast path (step_time.predict_many: the pieces layouts share computed once in a
+cache keyed by the knobs each reads, the pipeline simulations of one schedule run as one
+batch) predicts exactly what step_time.predict says of each config alone: every row's
+prediction to the last bit, the same refusals counted alike, the same ranking, the same
+timelines. bench/plan_search_speed.py times it."""
+import dataclasses
+
+import pytest
+
+from picotron.config import Config
+from picotron.config.presets import resolve_model
+from picotron.plan.hardware import load_profile
+from picotron.plan.search import search
+from picotron.plan.step_time import predict
+
+# small enough that predict alone, layout by layout, takes seconds
+SMALL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
+         "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "max_position_embeddings": 1024}
+
+
+def raw_config(model: dict, seq: int) -> dict:
+    raw = Config().to_dict()
+    raw["model"].update(model)
+    raw["training"]["seq_length"] = seq
+    return raw
+
+
+def ticks(profile):
+    """The profile with the pipeline run in this project's ticks (pipeline_sim.py)."""
+    return dataclasses.replace(profile, traits={**profile.traits, "pp_mode": "ticks"})
+
+
+def outcome(result) -> tuple:
+    rows = [(tuple(s.layout.items()), s.prediction.step_s, s.prediction.tok_s_gpu,
+             s.prediction.mfu, s.prediction.mem_gib, s.prediction.fits, s.prediction.note,
+             tuple(s.prediction.parts.items())) for s in result.ranked]
+    return (rows, list(result.refused.items()), list(result.examples.items()),
+            result.considered, [(tuple(layout.items()), message)
+                                for layout, message in result.refused_layouts])
+
+
+@pytest.mark.parametrize("model, seq, gpus, sequences, profile", [
+    (SMALL, 256, 8, 16, "playbook-h100"),        # the grids of two nodes' ranks, FP8 on and off
+    (SMALL, 256, 4, 8, "h200"),
+    ("SmolLM-135M", 1024, 1, 4, "h200"),        # one GPU: CUDA graphs where "auto" takes them
+    (SMALL, 256, 4, 8, "ticks")])
+def test_the_fast_path_predicts_what_predict_alone_does(model, seq, gpus, sequences, profile):
+    hardware = ticks(load_profile("h200")) if profile == "ticks" else load_profile(profile)
+    raw = raw_config(resolve_model(model) if isinstance(model, str) else model, seq)
+    fast = search(raw, gpus, sequences * seq, hardware, gpus_per_node=2, keep_refused=True)
+    alone = search(raw, gpus, sequences * seq, hardware, gpus_per_node=2, keep_refused=True,
+                   predict=predict)
+    assert fast.ranked and outcome(fast) == outcome(alone)
+    for i in range(0, len(fast.ranked), max(1, len(fast.ranked) // 7)):
+        assert list(fast.ranked[i].prediction.timeline) == list(
+            alone.ranked[i].prediction.timeline)
