@@ -20,6 +20,7 @@ The free numbers (FREE, the rest of the profile stays as its sources say), in tw
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -152,6 +153,8 @@ def main():
     parser.add_argument("--write", action="store_true",
                         help="store the in-sample fit in the playbook-h100 profile")
     args = parser.parse_args()
+    if importlib.util.find_spec("scipy") is None:
+        raise SystemExit("bench/planner_fit.py fits with scipy: pip install scipy")
     profile = load_profile("playbook-h100")
     for change in args.trait:
         name, value = change.split("=", 1)

@@ -21,12 +21,12 @@ variants). Rows that repeat one config (the same settings on other days) weigh i
 """
 import argparse
 import csv
+import importlib.util
 import math
 import os
 import sys
 
 import numpy as np
-from scipy.optimize import least_squares
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -66,7 +66,8 @@ def predicted(rows, profile) -> np.ndarray:
 
 
 def fit(rows, profile, names):
-    """The profile with `names` refit to `rows` (least squares on log ratios)."""
+    """The profile with `names` refit to `rows` (least squares on log ratios; needs scipy)."""
+    from scipy.optimize import least_squares
     start = np.array([profile[k] for k in names])
     low, high = zip(*(BOUNDS[k] for k in names))
     measured = np.array([r["measured"] for r in rows])
@@ -145,6 +146,8 @@ def main(argv=None):
     if not args.fit:
         print(table(rows, ratios))
         return
+    if importlib.util.find_spec("scipy") is None:
+        raise SystemExit("bench/planner_h200.py --fit fits with scipy: pip install scipy")
     names = fit_names(profile)
     fitted = fit([r for r in rows if not r["model_lacks"]], profile, names)
     ratios = predicted(rows, fitted) / measured

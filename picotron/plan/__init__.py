@@ -20,6 +20,8 @@ Reading order (each file needs only the ones before it):
     comm_time.py           each collective's time from its size, algorithm and the links its
                            group crosses (inside a node or between nodes)
     pipeline_sim.py        the pipeline's timeline, simulated from the schedules' own orders
+    predict_cache.py       the pieces a search's predictions share, each kept under the knobs
+                           it reads
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     search.py              every layout of N GPUs the config accepts, scored and ranked
     report.py              the search's table of the fastest layouts and its refusals by reason
