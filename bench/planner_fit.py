@@ -18,7 +18,6 @@ The free numbers (FREE, the rest of the profile stays as its sources say), in tw
 --write stores the in-sample fit in picotron/plan/hardware/playbook-h100.json. Needs scipy.
 """
 import argparse
-import dataclasses
 import datetime
 import importlib.util
 import json
@@ -34,6 +33,7 @@ from planner_judge import ROOT, judge, load_runs, predictions, report
 from picotron.plan.hardware import HERE, load_profile
 from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB
+from picotron.plan.step_time import logit_count
 
 MEMORY = ("mem_held_factor", "mem_act_factor", "mem_extra_gib")
 # the share of the runs that ran the memory margin keeps predicted to fit (the goal is 95%)
@@ -57,9 +57,7 @@ def fit_memory(profile, runs) -> dict:
     for row, config in ran:
         e = estimate(config)
         held = sum(r.bytes for r in e.rows if r.when == "held")
-        t, d = config.training, config.distributed
-        logits = t.micro_batch_size * t.seq_length // d.cp_size * -(
-            -config.model.vocab_size // d.tp_size)
+        logits = logit_count(config)
         parts.append((held / GiB, (e.device_bytes - held) / GiB, 1.0))
         rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)
     x, m = np.array(parts), np.array([float(row["measured_mem_gb"]) for row, _ in ran])
@@ -148,17 +146,12 @@ def main():
                         help="evaluations of the time fit's least squares")
     parser.add_argument("--quick", action="store_true",
                         help="the in-sample fit only, no leave-one-model-out")
-    parser.add_argument("--trait", action="append", default=[], metavar="NAME=JSON",
-                        help="try the profile with a trait changed, e.g. latency_per_node=true")
     parser.add_argument("--write", action="store_true",
                         help="store the in-sample fit in the playbook-h100 profile")
     args = parser.parse_args()
     if importlib.util.find_spec("scipy") is None:
         raise SystemExit("bench/planner_fit.py fits with scipy: pip install scipy")
     profile = load_profile("playbook-h100")
-    for change in args.trait:
-        name, value = change.split("=", 1)
-        profile = dataclasses.replace(profile, traits={**profile.traits, name: json.loads(value)})
     runs, refused = load_runs()
     when = f"{datetime.date.today()}, CPU"
     print(f"python bench/planner_fit.py --per_cell {args.per_cell} --max_evals "

@@ -60,11 +60,16 @@ def memory_fit(config, profile):
                   e.device_bytes)
 
 
+def logit_count(config) -> int:
+    """The logits of one micro-batch on one rank: its (n, V/tp), n = mbs x seq / cp."""
+    t, d = config.training, config.distributed
+    return t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
+                                                                d.tp_size)
+
+
 def fit_of(config, profile, held, device_bytes):
     """memory_fit from the estimate's held bytes and its device bytes."""
-    t, d = config.training, config.distributed
-    logits = t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
-                                                                  d.tp_size)
+    logits = logit_count(config)
     need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
         device_bytes - held) + profile["mem_logit_bytes"] * logits
         + profile["mem_extra_gib"] * GiB)
