@@ -4,8 +4,8 @@
 
 1. bench/share_gpu_probe.py: which collectives gloo runs on CUDA tensors in this torch;
 2. bench/share_gpu_parity.py: every layout against one process, bf16 and the GPU defaults;
-3. the tensor-parallel layouts in fp32 (`--set training.dtype=float32`): whether a bf16
-   difference is rounding (then fp32 matches to about 1e-6) or the layout's math;
+3. every layout but the FP8 ones in fp32 (`--set training.dtype=float32`): the layouts'
+   math without bf16's rounding (a correct layout matches one process to about 1e-6);
 4. dp2 with FP8 alone and with CUDA graphs alone (the suite's dp2-graphs-fp8 row has both).
 
 Each step writes DIR/raw/TAG.log as it runs (DIR: default $OUT), and the parity steps their
@@ -24,11 +24,13 @@ import threading
 import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
-FP32_LAYOUTS = "tp2,tp2-sp,dp2xtp2,tp2xpp2"
-# (tag, seconds, arguments), 460 s in all: the bf16 suite ran 16 layouts in 60 s on an H200
+FP32_LAYOUTS = ("dp2,tp2,tp2-sp,pp2-1f1b,pp2-interleaved,cp2-ring,cp2-ulysses,dp2-zero1,"
+                "dp2-zero2,dp2-zero3,dp2-offload,dp2xtp2,tp2xpp2,dp2xpp2xcp2")
+# (tag, seconds, arguments), 540 s in all: the bf16 suite ran 16 layouts in 60 s on an H200
+# with two one-process runs a setting, now three
 STEPS = [("probe", 120, ["share_gpu_probe.py"]),
-         ("bf16", 180, ["share_gpu_parity.py"]),
-         ("fp32", 80, ["share_gpu_parity.py", "--only", FP32_LAYOUTS,
+         ("bf16", 200, ["share_gpu_parity.py"]),
+         ("fp32", 140, ["share_gpu_parity.py", "--only", FP32_LAYOUTS,
                         "--set", "training.dtype=float32"]),
          # dp2 with CUDA graphs and FP8 apart: which of the two moves the grad norm
          ("dp2-fp8", 40, ["share_gpu_parity.py", "--only", "dp2",

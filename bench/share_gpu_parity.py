@@ -3,14 +3,17 @@ tests/test_share_gpu_gpu.py's runs (distributed.share_gpu; what each tolerance i
 is written there).
 
     python bench/share_gpu_parity.py [--only dp2,tp2] [--set KEY=VALUE ...] [--tag T] [--out DIR]
+        [--cpu]
 
 Trains every layout of that file 10 steps with all its ranks on cuda:0 (over gloo), and the
 one-process runs it is compared with, then prints one row per layout: the largest loss,
 grad-norm and weight differences against one process, each with its tolerance. The same rows
 go to DIR/share_gpu_parity[-T].md, and every step's loss and grad norm of each layout and of
-its two one-process runs to DIR/share_gpu_steps[-T].json (at step 1 all start from the same
+its one-process runs to DIR/share_gpu_steps[-T].json (at step 1 all start from the same
 weights, so there the difference is the gradient's rounding alone; later steps add the
-weights' drift). `--set` adds a setting to every run, layouts and references alike (e.g.
+weights' drift). `--cpu` runs the same suite on CPU processes over gloo, without FP8 and
+CUDA graphs (the criterion tried where no GPU is: the kernels are the readable ones, so it
+proves nothing about the GPU's). `--set` adds a setting to every run, layouts and references alike (e.g.
 `--set training.dtype=float32`: the same layouts without bf16's rounding). Exits 1 when a row
 fails.
 """
@@ -48,25 +51,31 @@ def main():
     p.add_argument("--runs", default=os.path.join(tempfile.gettempdir(), "share_gpu_runs"),
                    help="folder of the runs' configs, metrics and checkpoints (default: "
                    "%(default)s)")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU processes over gloo, the layouts without FP8 or CUDA graphs")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: bench/share_gpu_parity.py needs a CUDA GPU")
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("error: bench/share_gpu_parity.py needs a CUDA GPU (--cpu runs the suite on "
+                 "CPU processes)")
     only = set(filter(None, args.only.split(",")))
     unknown = only - {lay[0] for lay in suite.LAYOUTS}
     if unknown:
         sys.exit(f"error: --only names no layout {sorted(unknown)}; the layouts are "
                  f"{[lay[0] for lay in suite.LAYOUTS]}")
     extra = [f for kv in args.settings for f in ("--set", kv)]
+    gpu_only = ("training.fp8", "training.cuda_graphs")
     layouts = [lay[:6] + (lay[6] + extra,) for lay in suite.LAYOUTS
-               if not only or lay[0] in only]
+               if (not only or lay[0] in only)
+               and not (args.cpu and any(f.startswith(gpu_only) for f in lay[6]))]
     runs = args.runs
     shutil.rmtree(runs, ignore_errors=True)
     os.makedirs(runs)
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
-    rows = suite.run_suite(runs, layouts)
+    rows = suite.run_suite(runs, layouts, on_cpu=args.cpu)
     settings = f" (every run: {' '.join(args.settings)})" if args.settings else ""
-    text = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: {len(rows)} layouts "
+    device = "CPU (gloo)" if args.cpu else torch.cuda.get_device_name(0)
+    text = (f"{device}, torch {torch.__version__}: {len(rows)} layouts "
             f"in {time.perf_counter() - started:.0f} s{settings}\n\n" + suite.table(rows))
     print(text, flush=True)
     tag = f"-{args.tag}" if args.tag else ""
