@@ -7,7 +7,9 @@ collectives gloo refuses on CUDA through host memory (its GLOO_NEEDS_HOST). This
 them on the GPU at hand: two processes forked from this one (which never touches CUDA), each
 collective of the project in float32 and bfloat16, its result checked against the value it
 must have. A case that crashes a process (a CUDA pointer handed to a host transport) or hangs
-is recorded, and the next case runs on a fresh pair. Then the same collectives through
+is recorded, and the next case runs on a fresh pair; so does the case after a refusal (gloo
+can close the pair's connection when it refuses: on an H100 with torch 2.11 every case after
+a refused send/recv failed with "Connection closed by peer"). Then the same collectives through
 picotron/comm.py's host path. Prints one row per case and the set GLOO_NEEDS_HOST should be.
 """
 import argparse
@@ -136,6 +138,8 @@ def rank_main(rank, port, todo, results):
         except Exception as e:        # gloo's refusal: its first line
             verdict = "refused: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:110]
         results.put(("done", rank, key, verdict))
+        if verdict != "ok":       # a refusal can leave the pair's connection closed
+            break
     dist.destroy_process_group()
     os._exit(0)
 
@@ -176,6 +180,8 @@ def run_all(keys):
                 if len(seen[msg[2]]) == WORLD:
                     both = seen[msg[2]]
                     verdicts[msg[2]] = next((v for v in both if v != "ok"), "ok")
+                    if verdicts[msg[2]] != "ok":
+                        break         # the next case on a fresh pair
         for p in procs:
             p.kill()
             p.join()
