@@ -6,7 +6,8 @@
 2. bench/share_gpu_parity.py: every layout against one process, bf16 and the GPU defaults;
 3. every layout but the FP8 ones in fp32 (`--set training.dtype=float32`): the layouts'
    math without bf16's rounding (a correct layout matches one process to about 1e-6);
-4. dp2 with FP8 alone and with CUDA graphs alone (the suite's dp2-graphs-fp8 row has both).
+4. dp2 with FP8 alone and with CUDA graphs alone (the suite's dp2-graphs-fp8 row has both),
+   the graphs with ZeRO-1 too and again with bf16 on the wire.
 
 Each step writes DIR/raw/TAG.log as it runs (DIR: default $OUT), and the parity steps their
 tables and per-step JSON (share_gpu_parity-TAG.md, share_gpu_steps-TAG.json); at the end
@@ -26,7 +27,7 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 FP32_LAYOUTS = ("dp2,tp2,tp2-sp,pp2-1f1b,pp2-interleaved,cp2-ring,cp2-ulysses,dp2-zero1,"
                 "dp2-zero2,dp2-zero3,dp2-offload,dp2xtp2,tp2xpp2,dp2xpp2xcp2")
-# (tag, seconds, arguments), 540 s in all: the bf16 suite ran 16 layouts in 60 s on an H200
+# (tag, seconds, arguments), 580 s in all: the bf16 suite ran 16 layouts in 60 s on an H200
 # with two one-process runs a setting, now three
 STEPS = [("probe", 120, ["share_gpu_probe.py"]),
          ("bf16", 200, ["share_gpu_parity.py"]),
@@ -35,8 +36,12 @@ STEPS = [("probe", 120, ["share_gpu_probe.py"]),
          # dp2 with CUDA graphs and FP8 apart: which of the two moves the grad norm
          ("dp2-fp8", 40, ["share_gpu_parity.py", "--only", "dp2",
                           "--set", "training.fp8=tensorwise_delayed"]),
-         ("dp2-graphs", 40, ["share_gpu_parity.py", "--only", "dp2",
-                             "--set", "training.cuda_graphs=true"])]
+         ("dp2-graphs", 60, ["share_gpu_parity.py", "--only", "dp2,dp2-zero1",
+                             "--set", "training.cuda_graphs=true"]),
+         # the reductions' race under graphs was intermittent: a second run, bf16 on the wire
+         ("dp2-graphs-bf16wire", 60, ["share_gpu_parity.py", "--only", "dp2,dp2-zero1",
+                                      "--set", "training.cuda_graphs=true",
+                                      "--set", "distributed.grad_reduce_dtype=bfloat16"])]
 
 
 def run_step(tag: str, limit: int, args: list, out: str) -> int:

@@ -23,9 +23,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
-# The collectives gloo (torch 2.11) refuses on CUDA tensors: bench/share_gpu_probe.py
-GLOO_NEEDS_HOST = frozenset({"all_gather_single", "reduce_scatter_single", "all_to_all_single",
-                             "send/recv"})
+# The collectives gloo (torch 2.11) refuses on CUDA tensors: bench/share_gpu_probe.py on an
+# H100 (bench/NOTES.md): send/recv and batch_isend_irecv, whose TCP transport is handed the
+# CUDA pointer itself ("Bad address"); the rest it copies through host memory inside
+GLOO_NEEDS_HOST = frozenset({"send/recv"})
 
 
 def needs_host(collective: str, tensor: torch.Tensor, group) -> bool:

@@ -68,7 +68,9 @@ LAYOUTS = [
     ("dp2-zero2", 2, 1, 1, 1, ["--zero_stage", "2"], []),
     ("dp2-zero3", 2, 1, 1, 1, ["--zero_stage", "3"], []),
     ("dp2-offload", 2, 1, 1, 1, [], ["--set", "distributed.offload_optim_frac=0.5"]),
-    ("dp2-graphs-fp8", 2, 1, 1, 1, [], FP8_GRAPHS),        # graphs beside the buckets' hooks
+    # graphs beside the buckets' hooks: reductions launched from the hooks raced the replays
+    ("dp2-graphs", 2, 1, 1, 1, [], ["--set", "training.cuda_graphs=true"]),
+    ("dp2-graphs-fp8", 2, 1, 1, 1, [], FP8_GRAPHS),
     ("tp2-fp8", 1, 2, 1, 1, [], ["--set", "training.fp8=tensorwise"]),   # FP8 on TP shards
     ("dp2xtp2", 2, 2, 1, 1, [], []),
     ("tp2xpp2", 1, 2, 2, 1, [], []),

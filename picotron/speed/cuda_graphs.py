@@ -19,7 +19,13 @@ What a graph needs, and how each is met here:
   config checks, and so are torch.compile and activation checkpointing (except "selective"
   with model.kernels=triton: its recomputation is inside the MLP's own autograd function, not
   torch's checkpoint, so the graphs capture it like any other op). Data parallelism is
-  fine: its reductions run from gradient hooks, after the backward graph (no overlap).
+  fine, with its reductions started after backward (GradBuckets.finish), not from the
+  gradient hooks: the layers' gradients all arrive at once when the backward graph ends, so
+  the hooks would overlap nothing, and launched from them, with the host running ahead of a
+  replayed graph, the reductions raced: dp2 with graphs on one shared GPU matched one process
+  for 1-4 steps, then its grad norm jumped by 0.7-4% at a step that changed from run to run,
+  and matched it to the bit with the reductions started after backward or with
+  CUDA_LAUNCH_BLOCKING=1 (bench/NOTES.md).
 - training.fp8: its weight caches (speed/fp8/weights.py) decide on the host when a weight changed,
   which a replay would skip; so they recast in place, into the tensors the graphs read: the
   host checks the weights' versions before each replay, and after an optimizer step replays
@@ -55,10 +61,12 @@ def capture_layers(model, config, device, grads):
     model's training forwards through the graphs by replacing `run_layers` on the instance.
     Call after GradBuckets(model, ...) (`grads`): under ZeRO its parameter gathers wait in
     the layers' forward pre-hooks, which a replay skips, so they are made to wait at the
-    step's end instead (ParamGather.overlap). Under training.fp8="tensorwise_delayed" the capture
-    waits for the end of the calibrating first step (speed/fp8/delayed.py), which runs eager."""
+    step's end instead (ParamGather.overlap), and its reductions start after backward. Under
+    training.fp8="tensorwise_delayed" the capture waits for the end of the calibrating first
+    step (speed/fp8/delayed.py), which runs eager."""
     if getattr(grads, "gather", None) is not None:
         grads.gather.overlap = False
+    grads.overlap = False          # the reductions start after backward (the docstring says why)
     t, m = config.training, config.model
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype
