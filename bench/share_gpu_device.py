@@ -27,8 +27,7 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 FP32_LAYOUTS = ("dp2,tp2,tp2-sp,pp2-1f1b,pp2-interleaved,cp2-ring,cp2-ulysses,dp2-zero1,"
                 "dp2-zero2,dp2-zero3,dp2-offload,dp2xtp2,tp2xpp2,dp2xpp2xcp2")
-# (tag, seconds, arguments), 580 s in all; the whole call took 166 s on an H100 (bench/NOTES.md)
-# with two one-process runs a setting, now three
+# (tag, seconds, arguments): 580 s at most; the whole call took 166 s on an H100 (bench/NOTES.md)
 STEPS = [("probe", 120, ["share_gpu_probe.py"]),
          ("bf16", 200, ["share_gpu_parity.py"]),
          ("fp32", 140, ["share_gpu_parity.py", "--only", FP32_LAYOUTS,
