@@ -43,9 +43,12 @@ def merged_shape(shapes) -> tuple:
 class Links:
     """A profile's links, for the collectives of one layout's groups."""
 
-    def __init__(self, profile):
+    def __init__(self, profile, pipelined=False):
         self.b_in, self.l_in = profile["intra_bytes_per_s"], profile["intra_latency_s"]
-        self.b_out, self.l_out = profile["inter_bytes_per_s"], profile["inter_latency_s"]
+        self.b_out = profile["inter_bytes_per_s"]
+        # a step between nodes while the rank's pipeline transfers are in flight
+        self.l_out = profile["inter_latency_pp_s" if pipelined else "inter_latency_s"]
+        self.pipelined = Links(profile, True) if not pipelined else self
 
     def all_reduce(self, nbytes, shape) -> float:
         size, g, k = shape
@@ -92,6 +95,8 @@ def tp_layer_s(config, links, shape, tokens: int) -> float:
     `tokens` tokens: two all-reduces of the (n, C) activation (attention's output, the
     MLP's), or under sequence parallelism two all-gathers and two reduce-scatters of it."""
     nbytes = tokens * config.model.hidden_size * BF16
+    if config.distributed.pp_size > 1:
+        links = links.pipelined
     if config.distributed.sequence_parallel:
         return 4 * links.all_gather(nbytes, shape)
     return 2 * links.all_reduce(nbytes, shape)

@@ -41,6 +41,13 @@ NUMBERS = {
     "intra_latency_s": "latency of one step of a collective inside a node, s",
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
+    "inter_latency_pp_s": "latency of one step of a tensor-parallel collective between nodes "
+                          "on a rank of a pipeline (its sends and receives in flight), s",
+    "stall_s": "seconds a stalled micro-batch loses, each pipeline stage's forward and "
+               "backward each",
+    "stall_half_nodes": "the job's nodes at which half the micro-batches stall",
+    "stall_steepness": "how steeply the share of stalled micro-batches grows with the job's "
+                       "nodes n: (n/half)^s / (1 + (n/half)^s)",
     "tp_exposed": "share of tensor-parallel communication left on the critical path",
     "micro_s": "host time a micro-batch costs each pipeline stage, forward and backward each "
                "(the engine's Python, its blocking sends' hand-shakes), not hidden by GPU work",

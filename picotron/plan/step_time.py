@@ -117,17 +117,28 @@ def layer_pass(config, profile, links, groups, cache=None):
             exposed_f, exposed_b)
 
 
-def stage_times(config, profile, layer_f, layer_b, cache=None):
-    """forward_s[s], backward_s[s] of every virtual stage for one micro-batch."""
+def micro_batch_s(config, profile, gpus_per_node: int) -> float:
+    """The fixed seconds a micro-batch adds to each stage's forward and to its backward: the
+    host's (`micro_s`) and the stall the job's nodes n bring, stall_s x the share of
+    micro-batches that stall, (n/half)^s / (1 + (n/half)^s)."""
+    nodes = max(1.0, config.world_size / gpus_per_node)
+    x = (nodes / profile["stall_half_nodes"]) ** profile["stall_steepness"]
+    return profile["micro_s"] + profile["stall_s"] * x / (1 + x)
+
+
+def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
+    """forward_s[s], backward_s[s] of every virtual stage for one micro-batch; `micro_s`:
+    micro_batch_s (the profile's micro_s alone when None)."""
     d = config.distributed
+    micro_s = profile["micro_s"] if micro_s is None else micro_s
     v = virtual_stages(config)
     layers = cached(cache, ("stage layers", d.pp_size * v), stage_layers,
                     config.model.num_hidden_layers, d.pp_size * v)
     ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
     forward, backward = [], []
     for s, held in enumerate(layers):
-        f = len(held) * layer_f + ends["micro"][0] + profile["micro_s"]
-        b = len(held) * layer_b + ends["micro"][1] + profile["micro_s"]
+        f = len(held) * layer_f + ends["micro"][0] + micro_s
+        b = len(held) * layer_b + ends["micro"][1] + micro_s
         for end, on in (("embed", s == 0), ("head", s == len(layers) - 1)):
             if on:
                 f, b = f + ends[end][0], b + ends[end][1]
@@ -229,10 +240,11 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
         cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
         groups, cache)
     v = virtual_stages(config)
-    # stage_times reads the layer's times, pp and v, and compute_time's ends
-    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v)
+    # stage_times reads the layer's times, pp and v, compute_time's ends and micro_s
+    micro_s = micro_batch_s(config, profile, gpus_per_node)
+    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
                                   + compute_key(config), stage_times, config, profile, layer_f,
-                                  layer_b, cache)
+                                  layer_b, cache, micro_s)
     micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
