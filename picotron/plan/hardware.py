@@ -65,6 +65,8 @@ TRAITS = {
     "trainer": "whose runs the numbers describe (picotron, nanotron)",
     "rank_order": "the grid's axes, outermost first (tp innermost: its group shares a node)",
     "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
+    "pp_split": "how its pipeline splits the blocks among ranks: 'compute_cost' (nanotron: "
+                "by each block's FLOPs, stage_split.py); else this project's equal layers",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
     # said, not read: how the trainer differs from this one where a fitted number absorbs it
     "tp_overlap": "whether its tensor-parallel collectives overlap compute",

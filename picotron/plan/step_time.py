@@ -24,7 +24,6 @@ How a step is put together, following this project's implementation:
 import dataclasses
 from collections.abc import Sequence
 
-from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
 from picotron.plan.memory_activations import virtual_stages
@@ -32,6 +31,7 @@ from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB, layer_params, rank_params
 from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
+from picotron.plan.stage_split import stage_split
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -132,14 +132,13 @@ def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
     d = config.distributed
     micro_s = profile["micro_s"] if micro_s is None else micro_s
     v = virtual_stages(config)
-    layers = cached(cache, ("stage layers", d.pp_size * v), stage_layers,
-                    config.model.num_hidden_layers, d.pp_size * v)
+    split = cached(cache, ("stage split", d.pp_size, v), stage_split, config, profile)
     ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
     forward, backward = [], []
-    for s, held in enumerate(layers):
-        f = len(held) * layer_f + ends["micro"][0] + micro_s
-        b = len(held) * layer_b + ends["micro"][1] + micro_s
-        for end, on in (("embed", s == 0), ("head", s == len(layers) - 1)):
+    for layers, embed, head in split:
+        f = layers * layer_f + ends["micro"][0] + micro_s
+        b = layers * layer_b + ends["micro"][1] + micro_s
+        for end, on in (("embed", embed), ("head", head)):
             if on:
                 f, b = f + ends[end][0], b + ends[end][1]
         forward.append(f)
@@ -267,8 +266,8 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
                          _tails, config, profile, links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
-    layers_on = cached(cache, ("layers on", d.pp_size * v, busiest), lambda: len(
-        stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest]))
+    layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
+                       profile)[busiest][0]
     parts = {k: 0.0 for k in PARTS}
     for name in ("tp", "cp", "dp"):
         parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
