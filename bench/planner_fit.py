@@ -44,6 +44,7 @@ FIT_KEPT = 0.97
 SCALE = 0.2
 FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True),
         "inter_latency_s": (1e-6, 1e-2, True), "inter_latency_pp_s": (1e-6, 0.05, True),
+        "intra_latency_pp_s": (1e-7, 0.01, True),
         "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
         "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True),
         "stall_s": (1e-3, 5.0, True), "stall_half_nodes": (2.0, 512.0, True),

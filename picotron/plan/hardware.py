@@ -41,6 +41,8 @@ NUMBERS = {
     "intra_latency_s": "latency of one step of a collective inside a node, s",
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
+    "intra_latency_pp_s": "latency of one step of a tensor-parallel collective inside a node "
+                          "on a rank of a pipeline (its sends and receives in flight), s",
     "inter_latency_pp_s": "latency of one step of a tensor-parallel collective between nodes "
                           "on a rank of a pipeline (its sends and receives in flight), s",
     "stall_s": "seconds a stalled micro-batch loses, each pipeline stage's forward and "
