@@ -95,8 +95,6 @@ def tp_layer_s(config, links, shape, tokens: int) -> float:
     `tokens` tokens: two all-reduces of the (n, C) activation (attention's output, the
     MLP's), or under sequence parallelism two all-gathers and two reduce-scatters of it."""
     nbytes = tokens * config.model.hidden_size * BF16
-    if config.distributed.pp_size > 1:
-        links = links.pipelined
     if config.distributed.sequence_parallel:
         return 4 * links.all_gather(nbytes, shape)
     return 2 * links.all_reduce(nbytes, shape)

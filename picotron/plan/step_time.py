@@ -113,8 +113,13 @@ def layer_pass(config, profile, links, groups, cache=None):
     # below; CUDA graphs replay the captured layers with one launch
     launch = 0.0 if config.training.cuda_graphs is True else profile["launch_s"] * (
         profile["fp8_launch_factor"] if config.training.fp8 != "none" else 1.0)
-    return (max(sum(exposed_f.values()), launch), max(sum(exposed_b.values()), 2 * launch),
-            exposed_f, exposed_b)
+    # on a pipeline's rank the host also waits out each tensor-parallel collective's ring
+    # steps at the profile's *_latency_pp_s (the GPU's work runs meanwhile)
+    wait = 0.0
+    if d.pp_size > 1:
+        wait = tp_layer_s(config, links.pipelined, groups["tp"], tokens) - tp
+    return (max(sum(exposed_f.values()), launch + wait),
+            max(sum(exposed_b.values()), 2 * launch + wait), exposed_f, exposed_b)
 
 
 def micro_batch_s(config, profile, gpus_per_node: int) -> float:
