@@ -31,9 +31,9 @@ import numpy as np
 from planner_judge import ROOT, judge, load_runs, predictions, report
 
 from picotron.plan.hardware import HERE, load_profile
-from picotron.plan.memory_plan import GPU_RESERVED, estimate
+from picotron.plan.memory_plan import GPU_RESERVED
 from picotron.plan.memory_state import GiB
-from picotron.plan.step_time import logit_count
+from picotron.plan.trainer_memory import held_and_device, logit_count
 
 MEMORY = ("mem_held_factor", "mem_act_factor", "mem_extra_gib")
 # the share of the runs that ran the memory margin keeps predicted to fit (the goal is 95%)
@@ -59,10 +59,9 @@ def fit_memory(profile, runs) -> dict:
     ran = [(row, config) for row, config in runs if row["status"] == "ran"]
     parts, rest = [], []
     for row, config in ran:
-        e = estimate(config)
-        held = sum(r.bytes for r in e.rows if r.when == "held")
+        held, device = held_and_device(config, profile)
         logits = logit_count(config)
-        parts.append((held / GiB, (e.device_bytes - held) / GiB, 1.0))
+        parts.append((held / GiB, (device - held) / GiB, 1.0))
         rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)
     x, m = np.array(parts), np.array([float(row["measured_mem_gb"]) for row, _ in ran])
     coef, _ = nnls(x / m[:, None], np.array(rest) / m)     # no factor below zero

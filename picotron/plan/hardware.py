@@ -69,6 +69,10 @@ TRAITS = {
     "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
     "pp_split": "how its pipeline splits the blocks among ranks: 'compute_cost' (nanotron: "
                 "by each block's FLOPs, stage_split.py); else this project's equal layers",
+    "zero1_reduce": "how ZeRO-1/2 reduce the gradients: 'reduce_scatter' (this project) or "
+                    "'all_reduce' (nanotron: every rank gets all, keeps its shard)",
+    "grads_held": "true: the gradient buffers are held all step even without accumulation "
+                  "(nanotron's fp32 accumulator); this project frees them between steps",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
     # said, not read: how the trainer differs from this one where a fitted number absorbs it
     "tp_overlap": "whether its tensor-parallel collectives overlap compute",

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
 from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_plan import GPU_RESERVED, estimate
-from picotron.plan.memory_state import GiB, layer_params, rank_params
+from picotron.plan.memory_state import layer_params, rank_params
 from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
+from picotron.plan.trainer_memory import fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -48,38 +48,6 @@ class Prediction:
     parts: dict              # seconds of the step on its busiest rank, by PARTS
     timeline: Sequence       # (pp_rank, kind, micro, chunk, start_s, end_s), kind in
                              # F, B, send, comm, idle; built when first read
-
-
-def memory_fit(config, profile):
-    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
-    profile of another trainer, its memory is the plan's held part and the rest scaled by the
-    profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
-    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
-    e = estimate(config)
-    return fit_of(config, profile, sum(r.bytes for r in e.rows if r.when == "held"),
-                  e.device_bytes)
-
-
-def logit_count(config) -> int:
-    """The logits of one micro-batch on one rank: its (n, V/tp), n = mbs x seq / cp."""
-    t, d = config.training, config.distributed
-    return t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
-                                                                d.tp_size)
-
-
-def fit_of(config, profile, held, device_bytes):
-    """memory_fit from the estimate's held bytes and its device bytes."""
-    logits = logit_count(config)
-    need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
-        device_bytes - held) + profile["mem_logit_bytes"] * logits
-        + profile["mem_extra_gib"] * GiB)
-    # a trainer whose memory the profile predicts only within some error must leave
-    # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
-    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
-    if need <= usable:
-        return need / GiB, True, ""
-    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
-                               f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
 
 
 def layer_pass(config, profile, links, groups, cache=None):
@@ -161,9 +129,10 @@ def after_backward(config, profile, links, groups, rank, last_backward, first_fo
     shape = groups["cp_dp"]
     if d.zero_stage == 0:
         reduce, gather = links.all_reduce(params * wire, shape), 0.0
-    elif d.zero_stage in (1, 2):
-        reduce, gather = links.all_gather(params * wire, shape), links.all_gather(
-            params * BF16, shape)
+    elif d.zero_stage in (1, 2):          # a trainer may all-reduce what it then shards
+        reduce_scatter = profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter"
+        reduce = (links.all_gather if reduce_scatter else links.all_reduce)(params * wire, shape)
+        gather = links.all_gather(params * BF16, shape)
     else:                                 # ZeRO-3: the layers' part is inside their passes
         root = rank.root
         reduce, gather = links.all_gather(root * wire, shape), 0.0
@@ -282,7 +251,7 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     parts["pipeline_idle"] = idle - parts["pp"]
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
-    if cache is None:
+    if cache is None or grads_held_apart(config, profile):
         mem, fits, note = memory_fit(config, profile)
     else:
         mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))
