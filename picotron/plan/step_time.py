@@ -13,8 +13,11 @@ How a step is put together, following this project's implementation:
    time that hides their ring; ring attention's K/V pass beside each block's attention;
    ZeRO-3's layer gathers are prefetched behind the previous layer's compute.
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
-   the head and loss on the last, plus the host's fixed time a micro-batch (`micro_s`); the
-   host's launches bound an eager layer's pass from below (not under CUDA graphs).
+   the head and loss on the last (or the profile's trainer's split, stage_split.py), plus the
+   host's fixed time a micro-batch (`micro_s`) and the stall the job's nodes bring
+   (micro_batch_s); the host's launches, and on a pipeline's rank its waits on each
+   tensor-parallel collective (*_latency_pp_s), bound an eager layer's pass from below (not
+   under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
 4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
    that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
