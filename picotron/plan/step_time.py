@@ -19,8 +19,9 @@ How a step is put together, following this project's implementation:
    tensor-parallel collective (*_latency_pp_s), bound an eager layer's pass from below (not
    under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
-4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
-   that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
+4. After each rank's last backward: the gradients' reduction over cp x dp (ZeRO-1/2's a
+   reduce-scatter, or the all-reduce of a trainer that shards after it: zero1_reduce), in
+   buckets during that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
    block by block in the next forward where the trainer overlaps it; the optimizer's passes,
    and the host's AdamW for the share offloaded to it.
 """
