@@ -11,9 +11,10 @@ import pytest
 from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import config_for
+from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.stage_split import stage_split
 from picotron.plan.step_time import predict
-from picotron.plan.trainer_memory import held_and_device
+from picotron.plan.trainer_memory import grads_held_memory, held_and_device
 
 ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
            gpus=16, gpus_per_node=8, dp=2, tp=2, pp=2, cp=2, zero=1, mbs=2, grad_acc=4)
@@ -107,3 +108,20 @@ def test_gradient_buffers_held_all_step_at_one_micro_batch(micro, apart):
     grads = 8.03e9 / 4 * 4                 # about the rank's parameters / tp x 4 B, fp32
     assert (held - plan_held > 0.9 * grads) == apart and held >= plan_held
     assert device >= plan_device
+
+
+@pytest.mark.parametrize("pp, tied, zero", [(2, 0, 1), (5, 1, 0), (8, 0, 3), (16, 1, 1)])
+def test_held_gradients_memory_reads_the_ranks_that_differ(pp, tied, zero):
+    # at one micro-batch the first two and last two ranks stand for all: the busiest of every
+    # rank, counted one by one, is the same
+    config = config_for(dict(ROW, layers=30, tied=tied, gpus=2 * pp, dp=2, tp=1, pp=pp, cp=1,
+                             zero=zero, grad_acc=1))
+    every = []
+    for r in range(pp):
+        sums = {}
+        for row in rank_estimate(config, r).rows:
+            when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
+            sums[when] = sums.get(when, 0) + row.bytes
+        every.append((sums.get("held", 0), sums.get("held", 0) + max(sums.get("forward", 0),
+                                                                     sums.get("step", 0))))
+    assert grads_held_memory(config) == max(every, key=lambda hd: hd[1])
