@@ -10,8 +10,9 @@ The free numbers (FREE, the rest of the profile stays as its sources say), in tw
   plan's held bytes + mem_act_factor x the rest + mem_logit_bytes x the micro-batch's logits
   (the profile's, not fit) + mem_extra_gib, least squares on the relative error over the runs
   that ran; then mem_margin, the share of the GPU a layout must leave free to be predicted to
-  fit, the largest that keeps 97% of the runs that ran predicted to fit;
-- time: gemm_eff, inter_bytes_per_s, inter_latency_s, tp_exposed, launch_s, micro_s and send_s,
+  fit: the memory the model leaves out (measured - predicted GiB) in all but 5% of the runs
+  that ran, over the usable memory;
+- time: the rest of FREE (the links' bandwidth and latencies, the host's, the stall's),
   minimising the robust (Cauchy) sum of log(predicted / measured) tokens/s per GPU over the
   runs that ran, each (model, nodes) cell weighted alike, on up to --per_cell rows of each
   cell (the predictor is the cost; the report judges every row).
@@ -31,20 +32,24 @@ import numpy as np
 from planner_judge import ROOT, judge, load_runs, predictions, report
 
 from picotron.plan.hardware import HERE, load_profile
-from picotron.plan.memory_plan import GPU_RESERVED, estimate
+from picotron.plan.memory_plan import GPU_RESERVED
 from picotron.plan.memory_state import GiB
-from picotron.plan.step_time import logit_count
+from picotron.plan.trainer_memory import held_and_device, logit_count
 
 MEMORY = ("mem_held_factor", "mem_act_factor", "mem_extra_gib")
-# the share of the runs that ran the memory margin keeps predicted to fit (the goal is 95%)
-FIT_KEPT = 0.97
+# the quantile of the memory the model leaves out (measured - predicted) that the margin covers
+MARGIN_QUANTILE = 0.95
 # name -> (low, high, fit in log space)
 # the log error beyond which a run counts as an outlier (Cauchy's loss): the runs whose
 # network stalled are 10-100x slower than any model of the step, and must not steer it
 SCALE = 0.2
-FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True), "inter_latency_s": (1e-6, 1e-2, True),
+FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True),
+        "inter_latency_s": (1e-6, 1e-2, True), "inter_latency_pp_s": (1e-6, 0.05, True),
+        "intra_latency_pp_s": (1e-7, 0.01, True),
         "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
-        "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True)}
+        "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True),
+        "stall_s": (1e-3, 5.0, True), "stall_half_nodes": (2.0, 512.0, True),
+        "stall_steepness": (0.5, 8.0, False)}
 
 
 def fit_memory(profile, runs) -> dict:
@@ -55,19 +60,18 @@ def fit_memory(profile, runs) -> dict:
     ran = [(row, config) for row, config in runs if row["status"] == "ran"]
     parts, rest = [], []
     for row, config in ran:
-        e = estimate(config)
-        held = sum(r.bytes for r in e.rows if r.when == "held")
+        held, device = held_and_device(config, profile)
         logits = logit_count(config)
-        parts.append((held / GiB, (e.device_bytes - held) / GiB, 1.0))
+        parts.append((held / GiB, (device - held) / GiB, 1.0))
         rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)
     x, m = np.array(parts), np.array([float(row["measured_mem_gb"]) for row, _ in ran])
     coef, _ = nnls(x / m[:, None], np.array(rest) / m)     # no factor below zero
     numbers = dict(zip(MEMORY, (float(c) for c in coef)))
-    # the margin: the largest share of the usable memory the runs that ran leave free, but
-    # for FIT_KEPT of them (their predicted memory is off by about a fifth, median)
+    # the margin: what the model leaves out of a run's memory, in GiB (an error that carries
+    # from one model's runs to another's, where their headroom does not), but for 5% of them
     need = x @ coef + (m - np.array(rest))
     usable = profile["memory_gib"] - GPU_RESERVED / GiB
-    numbers["mem_margin"] = max(0.0, float(1 - np.quantile(need, FIT_KEPT) / usable))
+    numbers["mem_margin"] = max(0.0, float(np.quantile(m - need, MARGIN_QUANTILE) / usable))
     return numbers
 
 

@@ -16,7 +16,7 @@ from picotron.plan.step_time import predict
 ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
            gpus=16, gpus_per_node=8, dp=2, tp=2, pp=2, cp=2, zero=1, mbs=2, grad_acc=4)
 PLAIN = dict(mem_held_factor=1.0, mem_act_factor=1.0, mem_logit_bytes=0.0, mem_extra_gib=0.0,
-             micro_s=0.0, send_s=0.0, mem_margin=0.0)
+             micro_s=0.0, send_s=0.0, mem_margin=0.0, stall_s=0.0)
 
 
 def plain_profile():

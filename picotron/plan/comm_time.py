@@ -43,9 +43,12 @@ def merged_shape(shapes) -> tuple:
 class Links:
     """A profile's links, for the collectives of one layout's groups."""
 
-    def __init__(self, profile):
-        self.b_in, self.l_in = profile["intra_bytes_per_s"], profile["intra_latency_s"]
-        self.b_out, self.l_out = profile["inter_bytes_per_s"], profile["inter_latency_s"]
+    def __init__(self, profile, pipelined=False):
+        self.b_in, self.b_out = profile["intra_bytes_per_s"], profile["inter_bytes_per_s"]
+        # a ring step inside a node and between nodes, on a rank of a pipeline their own
+        self.l_in = profile["intra_latency_pp_s" if pipelined else "intra_latency_s"]
+        self.l_out = profile["inter_latency_pp_s" if pipelined else "inter_latency_s"]
+        self.pipelined = Links(profile, True) if not pipelined else self
 
     def all_reduce(self, nbytes, shape) -> float:
         size, g, k = shape

@@ -41,6 +41,15 @@ NUMBERS = {
     "intra_latency_s": "latency of one step of a collective inside a node, s",
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
+    "intra_latency_pp_s": "latency of one step of a tensor-parallel collective inside a node "
+                          "on a rank of a pipeline (its sends and receives in flight), s",
+    "inter_latency_pp_s": "latency of one step of a tensor-parallel collective between nodes "
+                          "on a rank of a pipeline (its sends and receives in flight), s",
+    "stall_s": "seconds a stalled micro-batch loses, each pipeline stage's forward and "
+               "backward each",
+    "stall_half_nodes": "the job's nodes at which half the micro-batches stall",
+    "stall_steepness": "how steeply the share of stalled micro-batches grows with the job's "
+                       "nodes n: (n/half)^s / (1 + (n/half)^s)",
     "tp_exposed": "share of tensor-parallel communication left on the critical path",
     "micro_s": "host time a micro-batch costs each pipeline stage, forward and backward each "
                "(the engine's Python, its blocking sends' hand-shakes), not hidden by GPU work",
@@ -58,6 +67,12 @@ TRAITS = {
     "trainer": "whose runs the numbers describe (picotron, nanotron)",
     "rank_order": "the grid's axes, outermost first (tp innermost: its group shares a node)",
     "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
+    "pp_split": "how its pipeline splits the blocks among ranks: 'compute_cost' (nanotron: "
+                "by each block's FLOPs, stage_split.py); else this project's equal layers",
+    "zero1_reduce": "how ZeRO-1/2 reduce the gradients: 'reduce_scatter' (this project) or "
+                    "'all_reduce' (nanotron: every rank gets all, keeps its shard)",
+    "grads_held": "true: the gradient buffers are held all step even without accumulation "
+                  "(nanotron's fp32 accumulator); this project frees them between steps",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
     # said, not read: how the trainer differs from this one where a fitted number absorbs it
     "tp_overlap": "whether its tensor-parallel collectives overlap compute",

@@ -20,9 +20,9 @@ Each bar is Bar(rank, kind, start_s, end_s, micro, chunk) with kind one of KINDS
 """
 from collections import namedtuple
 
-from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.comm_time import Links, layout_groups
 from picotron.plan.memory_plan import rank_estimate
+from picotron.plan.stage_split import stage_split
 from picotron.plan.step_time import layer_pass, predict
 
 KINDS = ("forward", "backward", "exposed", "send", "idle", "dp", "optimizer")
@@ -54,10 +54,8 @@ def exposed_per_pass(config, profile, gpus_per_node: int) -> dict:
     for kind, total, parts in (("forward", layer_f, part_f), ("backward", layer_b, part_b)):
         waiting = sum(parts.get(k, 0.0) for k in LAYER_COLLECTIVES)
         per_layer[kind] = max(0.0, min(waiting, total - parts["compute"]))
-    layers = stage_layers(config.model.num_hidden_layers,
-                          config.distributed.pp_size * virtual_stages(config))
-    return {(kind, s): len(held) * per_layer[kind]
-            for kind in per_layer for s, held in enumerate(layers)}
+    return {(kind, s): layers * per_layer[kind]
+            for kind in per_layer for s, (layers, _, _) in enumerate(stage_split(config, profile))}
 
 
 def rank_memory(config) -> list:

@@ -13,25 +13,29 @@ How a step is put together, following this project's implementation:
    time that hides their ring; ring attention's K/V pass beside each block's attention;
    ZeRO-3's layer gathers are prefetched behind the previous layer's compute.
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
-   the head and loss on the last, plus the host's fixed time a micro-batch (`micro_s`); the
-   host's launches bound an eager layer's pass from below (not under CUDA graphs).
+   the head and loss on the last (or the profile's trainer's split, stage_split.py), plus the
+   host's fixed time a micro-batch (`micro_s`) and the stall the job's nodes bring
+   (micro_batch_s); the host's launches, and on a pipeline's rank its waits on each
+   tensor-parallel collective (*_latency_pp_s), bound an eager layer's pass from below (not
+   under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
-4. After each rank's last backward: the gradients' reduction over cp x dp, in buckets during
-   that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
+4. After each rank's last backward: the gradients' reduction over cp x dp (ZeRO-1/2's a
+   reduce-scatter, or the all-reduce of a trainer that shards after it: zero1_reduce), in
+   buckets during that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
    block by block in the next forward where the trainer overlaps it; the optimizer's passes,
    and the host's AdamW for the share offloaded to it.
 """
 import dataclasses
 from collections.abc import Sequence
 
-from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
 from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_plan import GPU_RESERVED, estimate
-from picotron.plan.memory_state import GiB, layer_params, rank_params
+from picotron.plan.memory_state import layer_params, rank_params
 from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
+from picotron.plan.stage_split import stage_split
+from picotron.plan.trainer_memory import fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -48,38 +52,6 @@ class Prediction:
     parts: dict              # seconds of the step on its busiest rank, by PARTS
     timeline: Sequence       # (pp_rank, kind, micro, chunk, start_s, end_s), kind in
                              # F, B, send, comm, idle; built when first read
-
-
-def memory_fit(config, profile):
-    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
-    profile of another trainer, its memory is the plan's held part and the rest scaled by the
-    profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
-    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
-    e = estimate(config)
-    return fit_of(config, profile, sum(r.bytes for r in e.rows if r.when == "held"),
-                  e.device_bytes)
-
-
-def logit_count(config) -> int:
-    """The logits of one micro-batch on one rank: its (n, V/tp), n = mbs x seq / cp."""
-    t, d = config.training, config.distributed
-    return t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
-                                                                d.tp_size)
-
-
-def fit_of(config, profile, held, device_bytes):
-    """memory_fit from the estimate's held bytes and its device bytes."""
-    logits = logit_count(config)
-    need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
-        device_bytes - held) + profile["mem_logit_bytes"] * logits
-        + profile["mem_extra_gib"] * GiB)
-    # a trainer whose memory the profile predicts only within some error must leave
-    # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
-    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
-    if need <= usable:
-        return need / GiB, True, ""
-    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
-                               f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
 
 
 def layer_pass(config, profile, links, groups, cache=None):
@@ -113,22 +85,37 @@ def layer_pass(config, profile, links, groups, cache=None):
     # below; CUDA graphs replay the captured layers with one launch
     launch = 0.0 if config.training.cuda_graphs is True else profile["launch_s"] * (
         profile["fp8_launch_factor"] if config.training.fp8 != "none" else 1.0)
-    return (max(sum(exposed_f.values()), launch), max(sum(exposed_b.values()), 2 * launch),
-            exposed_f, exposed_b)
+    # on a pipeline's rank the host also waits out each tensor-parallel collective's ring
+    # steps at the profile's *_latency_pp_s (the GPU's work runs meanwhile)
+    wait = 0.0
+    if d.pp_size > 1:
+        wait = tp_layer_s(config, links.pipelined, groups["tp"], tokens) - tp
+    return (max(sum(exposed_f.values()), launch + wait),
+            max(sum(exposed_b.values()), 2 * launch + wait), exposed_f, exposed_b)
 
 
-def stage_times(config, profile, layer_f, layer_b, cache=None):
-    """forward_s[s], backward_s[s] of every virtual stage for one micro-batch."""
+def micro_batch_s(config, profile, gpus_per_node: int) -> float:
+    """The fixed seconds a micro-batch adds to each stage's forward and to its backward: the
+    host's (`micro_s`) and the stall the job's nodes n bring, stall_s x the share of
+    micro-batches that stall, (n/half)^s / (1 + (n/half)^s)."""
+    nodes = max(1.0, config.world_size / gpus_per_node)
+    x = (nodes / profile["stall_half_nodes"]) ** profile["stall_steepness"]
+    return profile["micro_s"] + profile["stall_s"] * x / (1 + x)
+
+
+def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
+    """forward_s[s], backward_s[s] of every virtual stage for one micro-batch; `micro_s`:
+    micro_batch_s (the profile's micro_s alone when None)."""
     d = config.distributed
+    micro_s = profile["micro_s"] if micro_s is None else micro_s
     v = virtual_stages(config)
-    layers = cached(cache, ("stage layers", d.pp_size * v), stage_layers,
-                    config.model.num_hidden_layers, d.pp_size * v)
+    split = cached(cache, ("stage split", d.pp_size, v), stage_split, config, profile)
     ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
     forward, backward = [], []
-    for s, held in enumerate(layers):
-        f = len(held) * layer_f + ends["micro"][0] + profile["micro_s"]
-        b = len(held) * layer_b + ends["micro"][1] + profile["micro_s"]
-        for end, on in (("embed", s == 0), ("head", s == len(layers) - 1)):
+    for layers, embed, head in split:
+        f = layers * layer_f + ends["micro"][0] + micro_s
+        b = layers * layer_b + ends["micro"][1] + micro_s
+        for end, on in (("embed", embed), ("head", head)):
             if on:
                 f, b = f + ends[end][0], b + ends[end][1]
         forward.append(f)
@@ -146,9 +133,10 @@ def after_backward(config, profile, links, groups, rank, last_backward, first_fo
     shape = groups["cp_dp"]
     if d.zero_stage == 0:
         reduce, gather = links.all_reduce(params * wire, shape), 0.0
-    elif d.zero_stage in (1, 2):
-        reduce, gather = links.all_gather(params * wire, shape), links.all_gather(
-            params * BF16, shape)
+    elif d.zero_stage in (1, 2):          # a trainer may all-reduce what it then shards
+        reduce_scatter = profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter"
+        reduce = (links.all_gather if reduce_scatter else links.all_reduce)(params * wire, shape)
+        gather = links.all_gather(params * BF16, shape)
     else:                                 # ZeRO-3: the layers' part is inside their passes
         root = rank.root
         reduce, gather = links.all_gather(root * wire, shape), 0.0
@@ -229,10 +217,11 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
         cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
         groups, cache)
     v = virtual_stages(config)
-    # stage_times reads the layer's times, pp and v, and compute_time's ends
-    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v)
+    # stage_times reads the layer's times, pp and v, compute_time's ends and micro_s
+    micro_s = micro_batch_s(config, profile, gpus_per_node)
+    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
                                   + compute_key(config), stage_times, config, profile, layer_f,
-                                  layer_b, cache)
+                                  layer_b, cache, micro_s)
     micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
@@ -255,8 +244,8 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
                          _tails, config, profile, links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
-    layers_on = cached(cache, ("layers on", d.pp_size * v, busiest), lambda: len(
-        stage_layers(config.model.num_hidden_layers, d.pp_size * v)[busiest]))
+    layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
+                       profile)[busiest][0]
     parts = {k: 0.0 for k in PARTS}
     for name in ("tp", "cp", "dp"):
         parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
@@ -266,7 +255,7 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     parts["pipeline_idle"] = idle - parts["pp"]
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
-    if cache is None:
+    if cache is None or grads_held_apart(config, profile):
         mem, fits, note = memory_fit(config, profile)
     else:
         mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))

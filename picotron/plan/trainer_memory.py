@@ -1,0 +1,83 @@
+"""A profile's memory of a layout against its GPU: the memory plan's estimate
+(memory_plan.py), for a profile fit to another trainer's runs scaled by the profile's factors,
+with the logits that trainer keeps and the margin it must leave free.
+
+    memory_fit(config, profile) -> (mem_gib, fits, note)
+    fit_of(config, profile, held, device_bytes): the same from the estimate's two totals
+"""
+import copy
+
+from picotron.config import resolve_auto
+from picotron.plan.memory_activations import virtual_stages
+from picotron.plan.memory_plan import GPU_RESERVED, estimate, has_auto, rank_estimate
+from picotron.plan.memory_state import GiB
+
+
+def memory_fit(config, profile):
+    """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
+    profile of another trainer, its memory is the plan's held part and the rest scaled by the
+    profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
+    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
+    return fit_of(config, profile, *held_and_device(config, profile))
+
+
+def held_and_device(config, profile) -> tuple:
+    """(held, device bytes) of the memory plan's estimate, as the profile's trainer holds
+    them (grads_held_apart)."""
+    if grads_held_apart(config, profile):
+        return grads_held_memory(config)
+    e = estimate(config)
+    return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
+
+
+def grads_held_apart(config, profile) -> bool:
+    """Whether the profile's trainer holds its gradient buffers all step (the trait
+    grads_held: nanotron's fp32 accumulator) where this project's plan frees them between
+    steps (one micro-batch a step: no accumulation to carry)."""
+    return (bool(profile.traits.get("grads_held"))
+            and config.training.gradient_accumulation_steps == 1)
+
+
+def grads_held_memory(config) -> tuple:
+    """(held, device bytes) of the busiest pipeline rank with its gradient buffers held,
+    the plan's rule otherwise (memory_plan.rank_estimate)."""
+    if has_auto(config):
+        config = copy.deepcopy(config)
+        resolve_auto(config)
+    graphs, best, pp = config.training.cuda_graphs is True, None, config.distributed.pp_size
+    # at one micro-batch every rank holds one in flight: the ranks differ only by their ends
+    # and by a layer more or less, so the first two and the last two stand for all
+    ranks = range(pp) if virtual_stages(config) > 1 else sorted({0, 1, pp - 2, pp - 1} & set(
+        range(pp)))
+    for r in ranks:
+        sums = {}
+        for row in rank_estimate(config, r).rows:
+            when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
+            sums[when] = sums.get(when, 0) + row.bytes
+        held, forward, step = (sums.get(w, 0) for w in ("held", "forward", "step"))
+        device = held + (forward + step if graphs else max(forward, step))
+        if best is None or device > best[1]:
+            best = (held, device)
+    return best
+
+
+def logit_count(config) -> int:
+    """The logits of one micro-batch on one rank: its (n, V/tp), n = mbs x seq / cp."""
+    t, d = config.training, config.distributed
+    return t.micro_batch_size * t.seq_length // d.cp_size * -(-config.model.vocab_size //
+                                                                d.tp_size)
+
+
+def fit_of(config, profile, held, device_bytes):
+    """memory_fit from the estimate's held bytes and its device bytes."""
+    logits = logit_count(config)
+    need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
+        device_bytes - held) + profile["mem_logit_bytes"] * logits
+        + profile["mem_extra_gib"] * GiB)
+    # a trainer whose memory the profile predicts only within some error must leave
+    # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
+    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
+    if need <= usable:
+        return need / GiB, True, ""
+    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
+                               f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")

@@ -1,0 +1,127 @@
+"""The terms the playbook-h100 profile adds for nanotron's runs: a micro-batch's stall that
+grows with the job's nodes, the host's wait on each tensor-parallel collective on a
+pipeline's rank, the pipeline split by each block's compute, ZeRO-1's all-reduce before it
+shards, and the gradient buffers held all step. Each is checked with the term set and unset
+(or against this project's behaviour), so a term that stopped reaching the prediction fails
+here. CPU only: the model is arithmetic."""
+import dataclasses
+
+import pytest
+
+from picotron.pipeline_parallel.stage import stage_layers
+from picotron.plan.hardware import load_profile
+from picotron.plan.layouts import config_for
+from picotron.plan.memory_plan import rank_estimate
+from picotron.plan.stage_split import stage_split
+from picotron.plan.step_time import predict
+from picotron.plan.trainer_memory import grads_held_memory, held_and_device
+
+ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
+           gpus=16, gpus_per_node=8, dp=2, tp=2, pp=2, cp=2, zero=1, mbs=2, grad_acc=4)
+LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336, vocab=131072,
+                tied=0, seq=4096, gpus=64, gpus_per_node=8, dp=8, tp=2, pp=4, cp=1, zero=1,
+                mbs=1, grad_acc=32)
+
+
+def playbook(**numbers):
+    return load_profile("playbook-h100").with_numbers(**numbers)
+
+
+def with_traits(profile, **traits):
+    return dataclasses.replace(profile, traits={**profile.traits, **traits})
+
+
+def test_a_stall_lengthens_each_micro_batch_slot_by_its_share():
+    # 2 nodes, half_nodes 2 and steepness 1: half the micro-batches stall; 4 micro-batches,
+    # pp 2, 1F1B: (m + p - 1) slots of one forward and one backward each
+    config = config_for(ROW)
+    base = predict(config, playbook(stall_s=0.0), 8).step_s
+    slow = predict(config, playbook(stall_s=0.2, stall_half_nodes=2.0, stall_steepness=1.0),
+                   8).step_s
+    assert slow - base == pytest.approx((4 + 2 - 1) * 2 * 0.2 * 0.5, rel=1e-6)
+
+
+def test_the_stall_share_grows_with_the_jobs_nodes():
+    config = config_for(ROW)
+    stall = dict(stall_s=0.2, stall_half_nodes=4.0, stall_steepness=3.0)
+    steps = [predict(config, playbook(**stall), g).step_s for g in (16, 8, 4, 2)]
+    assert steps == sorted(steps) and steps[0] < steps[-1]      # fewer GPUs a node: more nodes
+
+
+@pytest.mark.parametrize("pp, waits", [(1, False), (2, True)])
+def test_the_host_waits_on_tensor_parallel_steps_only_on_a_pipelines_rank(pp, waits):
+    config = config_for(dict(ROW, pp=pp, dp=4 // pp, grad_acc=4))
+    quick = predict(config, playbook(intra_latency_pp_s=1e-7, launch_s=1e-6), 8).step_s
+    slow = predict(config, playbook(intra_latency_pp_s=0.05, launch_s=1e-6), 8).step_s
+    assert (slow > quick) == waits and slow >= quick
+
+
+def test_the_host_wait_is_a_bound_not_an_addition():
+    # a wait shorter than the layer's GPU work costs nothing
+    config = config_for(dict(LLAMA_8B, mbs=8, grad_acc=4))
+    assert predict(config, playbook(intra_latency_pp_s=1e-7), 8).step_s == pytest.approx(
+        predict(config, playbook(intra_latency_pp_s=1e-6), 8).step_s, rel=1e-12)
+
+
+def test_this_projects_split_is_the_trainers_own():
+    config = config_for(LLAMA_8B)
+    profile = load_profile("h200")
+    layers = stage_layers(32, 4)
+    assert stage_split(config, profile) == [(len(h), s == 0, s == 3)
+                                            for s, h in enumerate(layers)]
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8, 16, 32])
+def test_the_compute_split_balances_the_head_against_the_layers(pp):
+    config = config_for(dict(LLAMA_8B, pp=pp, dp=32 // pp, grad_acc=32))
+    split = stage_split(config, load_profile("playbook-h100"))
+    assert sum(n for n, _, _ in split) == 32 and len(split) == pp
+    assert split[0][1] and sum(e for _, e, _ in split) == 1 and sum(h for _, _, h in split) == 1
+    C, I, V = 4096, 14336, 131072
+    layer, head = 4 * C * C + 3 * C * I, V * C
+    cost = [n * layer + head * h for n, _, h in split]
+    equal = [len(held) * layer for held in stage_layers(32, pp)]
+    equal[-1] += head
+    assert max(cost) <= max(equal)          # the head's stage no longer the slowest
+    # each rank but the last ends with the block that passes its share of the total
+    running = 0
+    for k, c in enumerate(cost[:-1]):
+        running += c
+        if c:
+            assert running > (32 * layer + head) * (k + 1) / pp
+
+
+def test_nanotrons_zero1_all_reduces_before_it_shards():
+    config = config_for(dict(LLAMA_8B, pp=1, dp=32, grad_acc=8))
+    profile = playbook()
+    scatter = with_traits(profile, zero1_reduce="reduce_scatter")
+    slow = predict(config, profile, 8).parts["dp"]
+    quick = predict(config, scatter, 8).parts["dp"]
+    assert slow > quick > 0
+
+
+@pytest.mark.parametrize("micro, apart", [(1, True), (4, False)])
+def test_gradient_buffers_held_all_step_at_one_micro_batch(micro, apart):
+    config = config_for(dict(LLAMA_8B, pp=1, dp=16, tp=4, mbs=4 // micro, grad_acc=micro))
+    held, device = held_and_device(config, playbook())
+    plan_held, plan_device = held_and_device(config, with_traits(playbook(), grads_held=False))
+    grads = 8.03e9 / 4 * 4                 # about the rank's parameters / tp x 4 B, fp32
+    assert (held - plan_held > 0.9 * grads) == apart and held >= plan_held
+    assert device >= plan_device
+
+
+@pytest.mark.parametrize("pp, tied, zero", [(2, 0, 1), (5, 1, 0), (8, 0, 3), (16, 1, 1)])
+def test_held_gradients_memory_reads_the_ranks_that_differ(pp, tied, zero):
+    # at one micro-batch the first two and last two ranks stand for all: the busiest of every
+    # rank, counted one by one, is the same
+    config = config_for(dict(ROW, layers=30, tied=tied, gpus=2 * pp, dp=2, tp=1, pp=pp, cp=1,
+                             zero=zero, grad_acc=1))
+    every = []
+    for r in range(pp):
+        sums = {}
+        for row in rank_estimate(config, r).rows:
+            when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
+            sums[when] = sums.get(when, 0) + row.bytes
+        every.append((sums.get("held", 0), sums.get("held", 0) + max(sums.get("forward", 0),
+                                                                     sums.get("step", 0))))
+    assert grads_held_memory(config) == max(every, key=lambda hd: hd[1])
