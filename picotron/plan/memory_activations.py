@@ -106,14 +106,27 @@ def layer_bytes(config, mode: str) -> float:
     return norms + attention + mlp * b / tp
 
 
-def layer_stack_bytes(config, pp_rank: int, N: int):
+def layer_stack_bytes(config, pp_rank: int, N: int, shared: dict = None):
     """(bytes, description) the layers of one micro-batch keep on this rank, over all its
-    chunks, with the first activation_checkpointing_layers layers of the model in its mode."""
+    chunks, with the first activation_checkpointing_layers layers of the model in its mode.
+    `shared`: a dict kept over the ranks of one config, which holds what they have alike."""
+    shared = {} if shared is None else shared
+    spans = rank_layer_spans(config, pp_rank)
+    # the chunks' first layers matter only to a count of checkpointed layers
+    key = ("stack", N) + (tuple(spans) if config.training.activation_checkpointing_layers
+                          is not None else tuple(count for _, count in spans))
+    if key not in shared:
+        shared[key] = _stack_bytes(config, spans, N)
+    return shared[key]
+
+
+def _stack_bytes(config, spans: tuple, N: int):
+    """layer_stack_bytes of the chunks' (first layer, count) `spans`."""
     t, T = config.training, _tokens_t(config)
     mode, n_ckpt = t.activation_checkpointing, t.activation_checkpointing_layers
     mask = T * T if _eager(config) else 0           # eager's (T, T) bool mask, per layer
     total, parts = 0.0, []
-    for first, count in rank_layer_spans(config, pp_rank):
+    for first, count in spans:
         if mode == "none":
             ckpt = 0
         elif n_ckpt is None:
@@ -128,15 +141,18 @@ def layer_stack_bytes(config, pp_rank: int, N: int):
     return total, ", ".join(parts)
 
 
-def activation_rows(config, pp_rank: int) -> list:
+def activation_rows(config, pp_rank: int, shared: dict = None) -> list:
     """This rank's activation rows: its layers times its micro-batches in flight, the rope
     tables, the pipeline's hand-offs, on the last stage the final norm and the loss of every
-    micro-batch in flight, and the larger of one loss and one layer's backward."""
+    micro-batch in flight, and the larger of one loss and one layer's backward. `shared`: a
+    dict kept over the ranks of one config, for what they compute alike (the layers' bytes,
+    the loss's, one layer's backward)."""
     m, t, d = config.model, config.training, config.distributed
     b, v, C = BYTES[t.dtype], virtual_stages(config), m.hidden_size
     N = t.micro_batch_size * _tokens_t(config)
+    shared = {} if shared is None else shared
     units = in_flight(config, pp_rank)          # micro-batches through one chunk
-    stack, layout = layer_stack_bytes(config, pp_rank, N)
+    stack, layout = layer_stack_bytes(config, pp_rank, N, shared)
     rows = [Row("activations", units * stack / v, "forward",
                 f"{units} micro-batch(es) in flight x N={N:,} tokens x per-layer bytes "
                 f"(memory_activations.py) of layers [{layout}] / {v} chunk(s)"),
@@ -148,7 +164,9 @@ def activation_rows(config, pp_rank: int) -> list:
         rows.append(Row("pipeline hand-offs", (outputs + 2) * N * C * b, "forward",
                         f"({outputs} chunk outputs kept + an activation and a gradient in "
                         f"transit) x N x C x {b} B"))
-    loss_kept, loss_peak, loss_formula = loss_bytes(config, N) if last else (0, 0, "none here")
+    if last and "loss" not in shared:
+        shared["loss"] = loss_bytes(config, N)
+    loss_kept, loss_peak, loss_formula = shared["loss"] if last else (0, 0, "none here")
     if last:                   # the last chunk's micro-batches in flight, each with its loss
         ends = -(-units // v)
         fused = m.kernels in ("triton", "liger")
@@ -158,7 +176,9 @@ def activation_rows(config, pp_rank: int) -> list:
             rows.append(Row("losses of the other micro-batches in flight",
                             (ends - 1) * loss_kept, "forward",
                             f"{ends - 1} x what one loss keeps for backward"))
-    backward, backward_formula = layer_backward_bytes(config, N)
+    if "backward" not in shared:
+        shared["backward"] = layer_backward_bytes(config, N)
+    backward, backward_formula = shared["backward"]
     rows.append(Row("loss or one layer's backward, the larger", max(loss_peak, backward),
                     "forward", f"max(loss {loss_peak / GiB:.2f} GiB: {loss_formula}; "
                     f"backward {backward / GiB:.2f} GiB: {backward_formula})"))
