@@ -121,7 +121,7 @@ def simulate_async(engine, pp, micro_batches, v, forward_s, backward_s, send_s) 
     graph = _dag(engine, pp, micro_batches, v)
     start, end, busy = _run(graph, pp, [forward_s], [backward_s], [send_s])
     rank, forward, micro, chunk, input_of, has_input = graph.columns
-    return Simulation(float(end.max()), list(busy[:, 0]),
+    return Simulation(float(end.max()), busy[:, 0].tolist(),
                       _AsyncTimeline(rank, forward, micro, chunk, start[graph.at, 0],
                                      end[graph.at, 0], input_of, has_input, send_s))
 
@@ -136,7 +136,7 @@ def simulate_async_batch(engine, pp, micro_batches, v, forward_s, backward_s, se
     out = []
     for j in range(len(send_s)):
         args = (engine, pp, micro_batches, v, forward_s[j], backward_s[j], send_s[j])
-        out.append(Simulation(float(makespan[j]), list(busy[:, j]), _Later(args)))
+        out.append(Simulation(float(makespan[j]), busy[:, j].tolist(), _Later(args)))
     return out
 
 

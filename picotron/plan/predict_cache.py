@@ -29,6 +29,14 @@ def compute_key(config) -> tuple:
             t.cuda_graphs)
 
 
+def optimizer_key(config, params) -> tuple:
+    """What compute_time.optimizer_s reads of a rank holding `params` parameters: its ZeRO
+    shard (dp, cp, zero) and the traffic's "step" terms, which FP8 adds to (CUDA graphs add
+    a term of another scope; counted too, as compute_key counts it)."""
+    d, t = config.distributed, config.training
+    return ("optimizer", params, d.dp_size, d.cp_size, d.zero_stage, t.fp8, t.cuda_graphs)
+
+
 def cached(cache, key, compute, *args):
     """compute(*args), looked up in `cache` under `key` (None: no cache)."""
     if cache is None:

@@ -30,7 +30,8 @@ from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
 from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB, layer_params, rank_params
-from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
+from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
+                                         optimizer_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.utils import flops_per_token
 
@@ -161,10 +162,8 @@ def after_backward(config, profile, links, groups, rank, last_backward, first_fo
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    # optimizer_s reads the ZeRO shards (dp, cp, zero) of layout_key, and compute_key's
-    return reduce + gather, cached(cache, ("optimizer", params, d.dp_size, d.cp_size,
-                                           d.zero_stage) + compute_key(config), optimizer_s,
-                                   config, profile, params) + host
+    return reduce + gather, cached(cache, optimizer_key(config, params), optimizer_s, config,
+                                   profile, params) + host
 
 
 def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
