@@ -40,12 +40,13 @@ def with_layout(base: Config, layout: dict) -> Config:
     return config
 
 
-def judge(base: Config, layout: dict, gpus: int):
+def judge(base: Config, layout: dict, gpus: int, in_range: bool = False):
     """(resolved Config, []) when the config accepts the layout, else (None, its errors): what
     config_from_dict(raw, world_size=gpus) decides, for a raw dict whose types are right.
     `base` passed config_from_dict, so of range_errors only the knobs' own ranges can fail
-    (its other checks read the dataset section, which the layout does not touch)."""
-    errors = knob_range_errors(layout)
+    (its other checks read the dataset section, which the layout does not touch); `in_range`:
+    the knobs are known to be in their ranges (knobs_in_range)."""
+    errors = [] if in_range else knob_range_errors(layout)
     if errors:
         return None, errors
     resolved = with_layout(base, layout)        # its own sections, resolved in place
@@ -63,6 +64,15 @@ def knob_range_errors(layout: dict) -> list:
         if message:
             errors.append(message)
     return errors
+
+
+def knobs_in_range(layouts: list) -> bool:
+    """Whether every knob of every layout is in its range: the values of a grid's layouts are
+    few (each knob's options, or the one value the user fixed), so each is looked up once."""
+    values = set()
+    for layout in layouts:
+        values.update(layout.items())
+    return not any(_knob_range_error(name, value) for name, value in values)
 
 
 @functools.lru_cache(maxsize=4096, typed=True)

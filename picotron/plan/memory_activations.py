@@ -141,12 +141,13 @@ def _stack_bytes(config, spans: tuple, N: int):
     return total, ", ".join(parts)
 
 
-def activation_rows(config, pp_rank: int, shared: dict = None) -> list:
+def activation_rows(config, pp_rank: int, shared: dict = None, described: bool = True) -> list:
     """This rank's activation rows: its layers times its micro-batches in flight, the rope
     tables, the pipeline's hand-offs, on the last stage the final norm and the loss of every
     micro-batch in flight, and the larger of one loss and one layer's backward. `shared`: a
     dict kept over the ranks of one config, for what they compute alike (the layers' bytes,
-    the loss's, one layer's backward)."""
+    the loss's, one layer's backward). `described` False leaves the rows' formulas '' (a
+    search sums the bytes of thousands and shows none)."""
     m, t, d = config.model, config.training, config.distributed
     b, v, C = BYTES[t.dtype], virtual_stages(config), m.hidden_size
     N = t.micro_batch_size * _tokens_t(config)
@@ -155,15 +156,16 @@ def activation_rows(config, pp_rank: int, shared: dict = None) -> list:
     stack, layout = layer_stack_bytes(config, pp_rank, N, shared)
     rows = [Row("activations", units * stack / v, "forward",
                 f"{units} micro-batch(es) in flight x N={N:,} tokens x per-layer bytes "
-                f"(memory_activations.py) of layers [{layout}] / {v} chunk(s)"),
+                f"(memory_activations.py) of layers [{layout}] / {v} chunk(s)" if described
+                else ""),
             Row("rope tables and token ids", units * N * (2 * _head_dim(m) * b + 16), "forward",
-                f"{units} x N x (cos, sin: 2 x D x {b} B + 16 B ids)")]
+                f"{units} x N x (cos, sin: 2 x D x {b} B + 16 B ids)" if described else "")]
     last = pp_rank == d.pp_size - 1
     if d.pp_size > 1:          # each chunk output kept until its backward; one of each in transit
         outputs = units - (-(-units // v) if last else 0)
         rows.append(Row("pipeline hand-offs", (outputs + 2) * N * C * b, "forward",
                         f"({outputs} chunk outputs kept + an activation and a gradient in "
-                        f"transit) x N x C x {b} B"))
+                        f"transit) x N x C x {b} B" if described else ""))
     if last and "loss" not in shared:
         shared["loss"] = loss_bytes(config, N)
     loss_kept, loss_peak, loss_formula = shared["loss"] if last else (0, 0, "none here")
@@ -171,17 +173,19 @@ def activation_rows(config, pp_rank: int, shared: dict = None) -> list:
         ends = -(-units // v)
         fused = m.kernels in ("triton", "liger")
         rows.append(Row("final norm", ends * N * norm_bytes(config, fused), "forward",
-                        f"{ends} x N x one norm's bytes per token"))
+                        f"{ends} x N x one norm's bytes per token" if described else ""))
         if ends > 1:
             rows.append(Row("losses of the other micro-batches in flight",
                             (ends - 1) * loss_kept, "forward",
-                            f"{ends - 1} x what one loss keeps for backward"))
+                            f"{ends - 1} x what one loss keeps for backward" if described
+                            else ""))
     if "backward" not in shared:
         shared["backward"] = layer_backward_bytes(config, N)
     backward, backward_formula = shared["backward"]
     rows.append(Row("loss or one layer's backward, the larger", max(loss_peak, backward),
                     "forward", f"max(loss {loss_peak / GiB:.2f} GiB: {loss_formula}; "
-                    f"backward {backward / GiB:.2f} GiB: {backward_formula})"))
+                    f"backward {backward / GiB:.2f} GiB: {backward_formula})" if described
+                    else ""))
     return rows
 
 

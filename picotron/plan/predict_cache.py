@@ -74,7 +74,7 @@ def _state_sums(config, v, cache):
 def _activation_sums(config):
     """Each rank's activation rows summed at "forward", or None (_sums)."""
     shared = {}         # what the ranks of this config compute alike (activation_rows)
-    sums = [_sums(activation_rows(config, r, shared), ("forward",))
+    sums = [_sums(activation_rows(config, r, shared, described=False), ("forward",))
             for r in range(config.distributed.pp_size)]
     return None if None in sums else sums
 

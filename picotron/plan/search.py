@@ -36,7 +36,7 @@ from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config.overrides import apply_overrides
 from picotron.config.presets import resolve_model
 from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES
-from picotron.plan.judge import LAYOUT_KEYS, grid_verdict, judge
+from picotron.plan.judge import LAYOUT_KEYS, grid_verdict, judge, knobs_in_range
 from picotron.plan.layouts import node_refusal
 
 RECOMPUTE = tuple(c for c in CHECKPOINTING if c != "auto")
@@ -208,9 +208,11 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
             continue
         layouts = list(subtree(grid, sequences, layers, fp8_options(profile), fixed, defaults))
         verdict = grid_verdict(base, layouts, gpus)
+        in_range = not verdict and knobs_in_range(layouts)
         for layout in layouts:
             result.considered += 1
-            config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus)
+            config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus,
+                                                                     in_range)
             judged.append((layout, config, errors[0] if errors else ""))
     # every accepted layout scored, then each judged layout's outcome in the order judged
     configs = [config for _, config, _ in judged if config is not None]

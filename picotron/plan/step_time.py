@@ -201,18 +201,16 @@ def _tails(config, profile, links, groups, forward, backward, v, cache):
     """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
     whose tail is the longest)."""
     pp = config.distributed.pp_size
-    key = layout_key(config)[:6] + compute_key(config)
-    ranks = cached(cache, ("rank params", v) + key[:4],
+    ranks = cached(cache, ("rank params", v) + layout_key(config)[:4],
                    lambda: [rank_params(config, r) for r in range(pp)])
     tails, alike = [], {}
     for r, rank in enumerate(ranks):    # the middle ranks are alike: each kind computed once
         last_backward = sum(backward[r::pp])                # the rank's chunks, in order
         first_forward = sum(forward[r::pp])
         inputs = (rank, last_backward, first_forward)
-        if inputs not in alike:
-            alike[inputs] = cached(cache, ("tail",) + inputs + key, after_backward, config,
-                                   profile, links, groups, rank, last_backward,
-                                   first_forward, cache)
+        if inputs not in alike:         # (the cache holds the whole list: "tails")
+            alike[inputs] = after_backward(config, profile, links, groups, rank, last_backward,
+                                           first_forward, cache)
         tails.append(alike[inputs])
     return tails, max(range(pp), key=lambda r: sum(tails[r]))
 
@@ -270,7 +268,8 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     else:
         mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
-    mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
+    flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
+    mfu = tok * flops / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
                       {k: float(v) for k, v in parts.items()},
                       Joined(sim.timeline, TailEvents(sim.makespan_s, tails)))
