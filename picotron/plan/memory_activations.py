@@ -106,18 +106,18 @@ def layer_bytes(config, mode: str) -> float:
     return norms + attention + mlp * b / tp
 
 
-def layer_stack_bytes(config, pp_rank: int, N: int, shared: dict = None):
+def layer_stack_bytes(config, pp_rank: int, N: int):
     """(bytes, description) the layers of one micro-batch keep on this rank, over all its
-    chunks, with the first activation_checkpointing_layers layers of the model in its mode.
-    `shared`: a dict kept over the ranks of one config, which holds what they have alike."""
-    shared = {} if shared is None else shared
-    spans = rank_layer_spans(config, pp_rank)
-    # the chunks' first layers matter only to a count of checkpointed layers
-    key = ("stack", N) + (tuple(spans) if config.training.activation_checkpointing_layers
-                          is not None else tuple(count for _, count in spans))
-    if key not in shared:
-        shared[key] = _stack_bytes(config, spans, N)
-    return shared[key]
+    chunks, with the first activation_checkpointing_layers layers of the model in its mode."""
+    return _stack_bytes(config, rank_layer_spans(config, pp_rank), N)
+
+
+def _spans_key(config, spans) -> tuple:
+    """What the layers' bytes read of a rank's chunks (first layer, count): the counts, and
+    the first layers only where a count of checkpointed layers makes them matter."""
+    if config.training.activation_checkpointing_layers is not None:
+        return tuple(spans)
+    return tuple(count for _, count in spans)
 
 
 def _stack_bytes(config, spans: tuple, N: int):
@@ -153,14 +153,21 @@ def activation_rows(config, pp_rank: int, shared: dict = None, described: bool =
     N = t.micro_batch_size * _tokens_t(config)
     shared = {} if shared is None else shared
     units = in_flight(config, pp_rank)          # micro-batches through one chunk
-    stack, layout = layer_stack_bytes(config, pp_rank, N, shared)
+    spans, last = rank_layer_spans(config, pp_rank), pp_rank == d.pp_size - 1
+    # what the rows read of the rank: ranks alike in it have the same rows
+    layers = ("stack", _spans_key(config, spans))
+    alike = ("rows", units, layers, last, described)
+    if alike in shared:
+        return shared[alike]
+    if layers not in shared:
+        shared[layers] = _stack_bytes(config, spans, N)
+    stack, layout = shared[layers]
     rows = [Row("activations", units * stack / v, "forward",
                 f"{units} micro-batch(es) in flight x N={N:,} tokens x per-layer bytes "
                 f"(memory_activations.py) of layers [{layout}] / {v} chunk(s)" if described
                 else ""),
             Row("rope tables and token ids", units * N * (2 * _head_dim(m) * b + 16), "forward",
                 f"{units} x N x (cos, sin: 2 x D x {b} B + 16 B ids)" if described else "")]
-    last = pp_rank == d.pp_size - 1
     if d.pp_size > 1:          # each chunk output kept until its backward; one of each in transit
         outputs = units - (-(-units // v) if last else 0)
         rows.append(Row("pipeline hand-offs", (outputs + 2) * N * C * b, "forward",
@@ -186,6 +193,7 @@ def activation_rows(config, pp_rank: int, shared: dict = None, described: bool =
                     "forward", f"max(loss {loss_peak / GiB:.2f} GiB: {loss_formula}; "
                     f"backward {backward / GiB:.2f} GiB: {backward_formula})" if described
                     else ""))
+    shared[alike] = rows
     return rows
 
 

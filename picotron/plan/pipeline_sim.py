@@ -38,29 +38,29 @@ def _dag(engine, pp, micro_batches, v):
     last, m = pp * v - 1, micro_batches
     # an action (kind, stage s, micro) as one int: 2 (s m + micro) + 1 for a forward
     index, cols, depth = {}, [], []
+    find, add, deepen = index.get, cols.append, depth.append        # (the loop runs often)
     pos, prev = [0] * pp, [-1] * pp
-    total = sum(len(o) for o in orders)
-    while len(cols) < total:
+    total, here = sum(len(o) for o in orders), 0
+    while here < total:
         progressed = False
         for r in range(pp):
             order, at, before = orders[r], pos[r], prev[r]
-            after = depth[before] if before >= 0 else -1
-            while at < len(order):
+            after, size = depth[before] if before >= 0 else -1, len(order)
+            while at < size:
                 kind, chunk, micro = order[at]
                 s = chunk * pp + r                              # stage_of
                 if kind == "F":                                 # its input: F of s - 1
-                    got = index.get(2 * ((s - 1) * m + micro) + 1) if s else -1
+                    got = find(2 * ((s - 1) * m + micro) + 1) if s else -1
                 else:                                           # B of s + 1
-                    got = index.get(2 * ((s + 1) * m + micro)) if s != last else -1
+                    got = find(2 * ((s + 1) * m + micro)) if s != last else -1
                 if got is None:
                     break
-                index[2 * (s * m + micro) + (kind == "F")] = here = len(cols)
+                index[2 * (s * m + micro) + (kind == "F")] = here
                 after = 1 + (after if got < 0 or after >= depth[got] else depth[got])
-                depth.append(after)
-                cols.append((r, kind == "F", s, micro, chunk, before, got))
-                before = here
-                at += 1
-                progressed = True
+                deepen(after)
+                add((r, kind == "F", s, micro, chunk, before, got))
+                before, here, at = here, here + 1, at + 1
+            progressed = progressed or at > pos[r]
             pos[r], prev[r] = at, before
         if not progressed:
             raise RuntimeError(f"schedule {engine} deadlocks: every rank waits")
@@ -93,25 +93,23 @@ _Graph = namedtuple("_Graph", "rank forward stage levels at columns")
 def _run(graph, pp, forward_s, backward_s, send_s, starts=True):
     """(start, end, busy) of B simulations: forward_s, backward_s (B, S), send_s (B,); start
     (None unless `starts`) and end (actions, B) in level order (end with a last row of
-    zeros), busy (pp, B). An
-    action starts at the later of its rank's previous end and its input's end plus send_s;
-    a level with no inputs skips the sum (0 + 0 x send_s is 0, and ends are >= 0), one whose
-    every action has an input the product (x 1)."""
+    zeros), busy (pp, B). An action starts at the later of its rank's previous end and its
+    input's end plus send_s; a level with no inputs skips the sum (0 + 0 x send_s is 0, and
+    ends are >= 0), one whose every action has an input the product (x 1)."""
     f, b = np.asarray(forward_s, dtype=float), np.asarray(backward_s, dtype=float)
     send = np.asarray(send_s, dtype=float)
     dur = np.where(graph.forward[:, None], f[:, graph.stage].T, b[:, graph.stage].T)
     end = np.zeros((len(dur) + 1, len(send)))
     start = np.empty_like(dur) if starts else None
-    for lo, hi, before, inputs, has in graph.levels:
-        if has is None:
-            first = end[before]
-        elif has is True:
-            first = np.maximum(end[before], end[inputs] + send)
-        else:
-            first = np.maximum(end[before], end[inputs] + send * has)
+    for lo, hi, before, inputs, has in graph.levels:     # in place: a level is often small
+        first = end[before]
+        if has is not None:
+            arrived = end[inputs]
+            arrived += send if has is True else send * has
+            np.maximum(first, arrived, out=first)
         if starts:
             start[lo:hi] = first
-        end[lo:hi] = first + dur[lo:hi]
+        np.add(first, dur[lo:hi], out=end[lo:hi])
     busy = np.zeros((pp, len(send)))        # each rank's durations summed in its order, as
     np.add.at(busy, graph.rank, dur)        # np.bincount sums them
     return start, end, busy

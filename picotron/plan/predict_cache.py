@@ -74,8 +74,12 @@ def _state_sums(config, v, cache):
 def _activation_sums(config):
     """Each rank's activation rows summed at "forward", or None (_sums)."""
     shared = {}         # what the ranks of this config compute alike (activation_rows)
-    sums = [_sums(activation_rows(config, r, shared, described=False), ("forward",))
-            for r in range(config.distributed.pp_size)]
+    sums, of_rows = [], {}          # alike ranks share one list of rows: summed once
+    for r in range(config.distributed.pp_size):
+        rows = activation_rows(config, r, shared, described=False)
+        if id(rows) not in of_rows:
+            of_rows[id(rows)] = _sums(rows, ("forward",))
+        sums.append(of_rows[id(rows)])
     return None if None in sums else sums
 
 
