@@ -29,7 +29,7 @@ import functools
 import gc
 import re
 import time
-from collections import Counter
+from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 
 from picotron.config import Config, ConfigError, config_from_dict
@@ -47,6 +47,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 class Scored:
     layout: dict            # short name -> value, every knob of LAYOUT_KEYS
     prediction: object      # step_time.Prediction
+
+
+# a layout's outcome where memory alone refuses it: as a Prediction's fits and note
+Unfit = namedtuple("Unfit", "fits note")
 
 
 @dataclass
@@ -217,8 +221,15 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
     # every accepted layout scored, then each judged layout's outcome in the order judged
     configs = [config for _, config, _ in judged if config is not None]
     if predict is None:     # the model, the pieces layouts share computed once
-        from picotron.plan.step_time import predict_many
-        predictions = iter(predict_many(configs, profile, gpus_per_node, {}))
+        from picotron.plan.predict_cache import cached_memory
+        from picotron.plan.step_time import fit_of, predict_many
+        # a layout that does not fit is refused on its memory alone, with the note predict
+        # gives it (from the same estimate), and its step is not timed
+        cache = {}
+        fitted = [fit_of(config, profile, *cached_memory(config, cache)) for config in configs]
+        timed = iter(predict_many([config for config, (_, fits, _) in zip(configs, fitted)
+                                   if fits], profile, gpus_per_node, cache))
+        predictions = (next(timed) if fits else Unfit(False, note) for _, fits, note in fitted)
     else:
         predictions = (predict(config, profile, gpus_per_node) for config in configs)
     for layout, config, message in judged:
