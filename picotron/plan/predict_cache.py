@@ -90,8 +90,14 @@ def cached_memory(config, cache) -> tuple:
     if has_auto(config):
         e = estimate(config)
         return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    k = layout_key(config)      # no row reads cp_mode (the parts' keys below)
-    return cached(cache, ("memory",) + k[:4] + k[5:], _memory, config, k, cache)
+    return cached(cache, memory_key(config), _memory, config, layout_key(config), cache)
+
+
+def memory_key(config) -> tuple:
+    """What the memory's rows read of layout_key: all but cp_mode (the parts' keys below);
+    "auto" options (has_auto) as given, which the search's base config resolves alike."""
+    k = layout_key(config)
+    return ("memory",) + k[:4] + k[5:]
 
 
 def _memory(config, k: tuple, cache) -> tuple:

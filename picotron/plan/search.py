@@ -221,12 +221,11 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
     # every accepted layout scored, then each judged layout's outcome in the order judged
     configs = [config for _, config, _ in judged if config is not None]
     if predict is None:     # the model, the pieces layouts share computed once
-        from picotron.plan.predict_cache import cached_memory
-        from picotron.plan.step_time import fit_of, predict_many
+        from picotron.plan.step_time import cached_fit, predict_many
         # a layout that does not fit is refused on its memory alone, with the note predict
         # gives it (from the same estimate), and its step is not timed
         cache = {}
-        fitted = [fit_of(config, profile, *cached_memory(config, cache)) for config in configs]
+        fitted = [cached_fit(config, profile, cache) for config in configs]
         timed = iter(predict_many([config for config, (_, fits, _) in zip(configs, fitted)
                                    if fits], profile, gpus_per_node, cache))
         predictions = (next(timed) if fits else Unfit(False, note) for _, fits, note in fitted)

@@ -31,7 +31,7 @@ from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB, layer_params, rank_params
 from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
-                                         optimizer_key)
+                                         memory_key, optimizer_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.utils import flops_per_token
 
@@ -81,6 +81,14 @@ def fit_of(config, profile, held, device_bytes):
         return need / GiB, True, ""
     return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
                                f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
+
+
+def cached_fit(config, profile, cache):
+    """memory_fit(config, profile) from the estimate's sums that `cache` keeps
+    (predict_cache.cached_memory), itself kept there: fit_of reads of the layout what the
+    memory does, and the logits' micro-batch, cp and tp."""
+    return cached(cache, ("fit",) + memory_key(config), lambda: fit_of(
+        config, profile, *cached_memory(config, cache)))
 
 
 def layer_pass(config, profile, links, groups, cache=None):
@@ -266,7 +274,7 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     if cache is None:
         mem, fits, note = memory_fit(config, profile)
     else:
-        mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))
+        mem, fits, note = cached_fit(config, profile, cache)
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
     mfu = tok * flops / profile["peak_bf16_flops"]
