@@ -33,10 +33,10 @@ def with_layout(base: Config, layout: dict) -> Config:
     does not touch are shared, not copied."""
     config, distributed, training = _copy(base), _copy(base.distributed), _copy(base.training)
     config.distributed, config.training = distributed, training
-    sections = {"distributed": distributed, "training": training}
-    for name, value in layout.items():
+    fields = {"distributed": distributed.__dict__, "training": training.__dict__}
+    for name, value in layout.items():     # plain dataclasses: a field is a __dict__ entry
         section, key = LAYOUT_KEYS[name]
-        setattr(sections[section], key, value)
+        fields[section][key] = value
     return config
 
 

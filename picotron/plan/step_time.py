@@ -212,15 +212,14 @@ def _tails(config, profile, links, groups, forward, backward, v, cache):
     ranks = cached(cache, ("rank params", v) + layout_key(config)[:4],
                    lambda: [rank_params(config, r) for r in range(pp)])
     tails, alike = [], {}
-    for r, rank in enumerate(ranks):    # the middle ranks are alike: each kind computed once
-        last_backward = sum(backward[r::pp])                # the rank's chunks, in order
-        first_forward = sum(forward[r::pp])
-        inputs = (rank, last_backward, first_forward)
+    # each rank's chunks, in order; the middle ranks are alike: each kind computed once
+    for inputs in zip(ranks, [sum(backward[r::pp]) for r in range(pp)],
+                      [sum(forward[r::pp]) for r in range(pp)]):
         if inputs not in alike:         # (the cache holds the whole list: "tails")
-            alike[inputs] = after_backward(config, profile, links, groups, rank, last_backward,
-                                           first_forward, cache)
+            alike[inputs] = after_backward(config, profile, links, groups, *inputs, cache)
         tails.append(alike[inputs])
-    return tails, max(range(pp), key=lambda r: sum(tails[r]))
+    longest = [sum(tail) for tail in tails]
+    return tails, longest.index(max(longest))
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
