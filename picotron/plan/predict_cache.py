@@ -90,7 +90,7 @@ def cached_memory(config, cache) -> tuple:
     if has_auto(config):
         e = estimate(config)
         return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    return cached(cache, memory_key(config), _memory, config, layout_key(config), cache)
+    return cached(cache, memory_key(config), _memory, config, cache)
 
 
 def memory_key(config) -> tuple:
@@ -100,9 +100,9 @@ def memory_key(config) -> tuple:
     return ("memory",) + k[:4] + k[5:]
 
 
-def _memory(config, k: tuple, cache) -> tuple:
-    """cached_memory of a config without "auto", whose layout_key is `k`."""
-    v = virtual_stages(config)
+def _memory(config, cache) -> tuple:
+    """cached_memory of a config without "auto"."""
+    k, v = layout_key(config), virtual_stages(config)
     state = cached(cache, ("state", v) + k[:4] + k[5:6] + k[7:8] + k[9:10], _state_sums, config,
                    v, cache)
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
