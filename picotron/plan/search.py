@@ -23,7 +23,8 @@ the interleaved engine is tried only with v dividing layers / pp and grad_acc a 
 refuses for one reason at both ends of its layouts (grid_verdict) has all of them counted as
 refused for it, unjudged. tests/test_plan_search.py holds the accepted set to a brute-force
 filter through config_from_dict itself. Each accepted layout is then scored by
-step_time.predict; one that does not fit the GPU's memory is refused with the model's note.
+step_time.predict; one that does not fit the GPU's memory is refused with the model's note,
+from its memory alone (step_time.cached_fit: the same estimate), before its step is timed.
 """
 import functools
 import gc

@@ -84,11 +84,9 @@ def fit_of(config, profile, held, device_bytes):
 
 
 def cached_fit(config, profile, cache):
-    """memory_fit(config, profile) from the estimate's sums that `cache` keeps
-    (predict_cache.cached_memory), itself kept there: fit_of reads of the layout what the
-    memory does, and the logits' micro-batch, cp and tp."""
-    return cached(cache, ("fit",) + memory_key(config), lambda: fit_of(
-        config, profile, *cached_memory(config, cache)))
+    """memory_fit(config, profile) from cached_memory's sums, kept in `cache` with them."""
+    return cached(cache, ("fit",) + memory_key(config),
+                  lambda: fit_of(config, profile, *cached_memory(config, cache)))
 
 
 def layer_pass(config, profile, links, groups, cache=None):
