@@ -65,10 +65,17 @@ def _state_sums(config, v, cache):
     k = layout_key(config)
     ranks = cached(cache, ("rank params", v) + k[:4],
                    lambda: [rank_params(config, i) for i in range(config.distributed.pp_size)])
-    sums = [cached(cache, ("state sums", params) + k[:4] + k[5:6] + k[7:8] + k[9:10],
-                   lambda: _sums(state_rows(config, params), ("held", "step")))
-            for params in ranks]
+    reads, of_params = k[:4] + k[5:6] + k[7:8] + k[9:10], {}
+    for params in ranks:            # the middle ranks' Params are one: looked up once
+        if params not in of_params:
+            of_params[params] = cached(cache, ("state sums", params) + reads, _rank_state_sums,
+                                       config, params)
+    sums = [of_params[params] for params in ranks]
     return None if None in sums else sums
+
+
+def _rank_state_sums(config, params):
+    return _sums(state_rows(config, params), ("held", "step"))
 
 
 def _activation_sums(config):
