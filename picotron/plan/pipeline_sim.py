@@ -77,10 +77,10 @@ def _dag(engine, pp, micro_batches, v):
         has_input, input_of, n)][order]
     has, levels = has_input[order], []
     bounds = np.concatenate(([0], np.flatnonzero(np.diff(depth[order])) + 1, [n]))
-    for lo, hi in zip(bounds[:-1], bounds[1:]):   # (lo, hi, before, inputs, which have one)
-        some = has[lo:hi]
-        levels.append((lo, hi, before[lo:hi], inputs[lo:hi],
-                       True if some.all() else some[:, None] if some.any() else None))
+    having = np.add.reduceat(has.astype(int), bounds[:-1])     # a level's actions with input
+    for lo, hi, some in zip(bounds[:-1].tolist(), bounds[1:].tolist(), having.tolist()):
+        levels.append((lo, hi, before[lo:hi], inputs[lo:hi],        # which have an input:
+                       True if some == hi - lo else has[lo:hi, None] if some else None))
     return _Graph(rank[order], forward[order], stage[order], levels, at[:n], (
         rank, forward, micro, chunk, np.where(has_input, input_of, n), has_input))
 
