@@ -59,13 +59,19 @@ def _sums(rows, moments: tuple):
     return {when: float(total) for when, total in sums.items()}
 
 
+def state_key(k: tuple) -> tuple:
+    """What state_rows reads of layout_key `k` beside the rank's Params: the grid, ZeRO, FP8,
+    and whether there is accumulation (grad_acc > 1: the gradients' dtype and lifetime)."""
+    return k[:4] + k[5:6] + (k[7] > 1,) + k[9:10]
+
+
 def _state_sums(config, v, cache):
     """Each rank's state rows summed by moment (held, step), or None (_sums); state_rows reads
     the rank only through its Params (rank_params), so alike ranks are summed once."""
     k = layout_key(config)
     ranks = cached(cache, ("rank params", v) + k[:4],
                    lambda: [rank_params(config, i) for i in range(config.distributed.pp_size)])
-    reads, of_params = k[:4] + k[5:6] + k[7:8] + k[9:10], {}
+    reads, of_params = state_key(k), {}
     for params in ranks:            # the middle ranks' Params are one: looked up once
         if params not in of_params:
             of_params[params] = cached(cache, ("state sums", params) + reads, _rank_state_sums,
@@ -110,8 +116,7 @@ def memory_key(config) -> tuple:
 def _memory(config, cache) -> tuple:
     """cached_memory of a config without "auto"."""
     k, v = layout_key(config), virtual_stages(config)
-    state = cached(cache, ("state", v) + k[:4] + k[5:6] + k[7:8] + k[9:10], _state_sums, config,
-                   v, cache)
+    state = cached(cache, ("state", v) + state_key(k), _state_sums, config, v, cache)
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
                  config)
     if state is None or act is None:        # a row at another part's moment: sum them all
