@@ -23,6 +23,7 @@ Reading order (each file needs only the ones before it):
     predict_cache.py       the pieces a search's predictions share, each kept under the knobs
                            it reads
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
+    judge.py               the config's verdict on one layout of a search, the config resolved
     search.py              every layout of N GPUs the config accepts, scored and ranked
     report.py              the search's table of the fastest layouts and its refusals by reason
     score.py               a prediction for each row of a CSV of layouts

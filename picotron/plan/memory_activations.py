@@ -109,11 +109,24 @@ def layer_bytes(config, mode: str) -> float:
 def layer_stack_bytes(config, pp_rank: int, N: int):
     """(bytes, description) the layers of one micro-batch keep on this rank, over all its
     chunks, with the first activation_checkpointing_layers layers of the model in its mode."""
+    return _stack_bytes(config, rank_layer_spans(config, pp_rank), N)
+
+
+def _spans_key(config, spans) -> tuple:
+    """What the layers' bytes read of a rank's chunks (first layer, count): the counts, and
+    the first layers only where a count of checkpointed layers makes them matter."""
+    if config.training.activation_checkpointing_layers is not None:
+        return tuple(spans)
+    return tuple(count for _, count in spans)
+
+
+def _stack_bytes(config, spans: tuple, N: int):
+    """layer_stack_bytes of the chunks' (first layer, count) `spans`."""
     t, T = config.training, _tokens_t(config)
     mode, n_ckpt = t.activation_checkpointing, t.activation_checkpointing_layers
     mask = T * T if _eager(config) else 0           # eager's (T, T) bool mask, per layer
     total, parts = 0.0, []
-    for first, count in rank_layer_spans(config, pp_rank):
+    for first, count in spans:
         if mode == "none":
             ckpt = 0
         elif n_ckpt is None:
@@ -128,40 +141,59 @@ def layer_stack_bytes(config, pp_rank: int, N: int):
     return total, ", ".join(parts)
 
 
-def activation_rows(config, pp_rank: int) -> list:
+def activation_rows(config, pp_rank: int, shared: dict = None, described: bool = True) -> list:
     """This rank's activation rows: its layers times its micro-batches in flight, the rope
     tables, the pipeline's hand-offs, on the last stage the final norm and the loss of every
-    micro-batch in flight, and the larger of one loss and one layer's backward."""
+    micro-batch in flight, and the larger of one loss and one layer's backward. `shared`: a
+    dict kept over the ranks of one config, for what they compute alike (the layers' bytes,
+    the loss's, one layer's backward). `described` False leaves the rows' formulas '' (a
+    search sums the bytes of thousands and shows none)."""
     m, t, d = config.model, config.training, config.distributed
     b, v, C = BYTES[t.dtype], virtual_stages(config), m.hidden_size
     N = t.micro_batch_size * _tokens_t(config)
+    shared = {} if shared is None else shared
     units = in_flight(config, pp_rank)          # micro-batches through one chunk
-    stack, layout = layer_stack_bytes(config, pp_rank, N)
+    spans, last = rank_layer_spans(config, pp_rank), pp_rank == d.pp_size - 1
+    # what the rows read of the rank: ranks alike in it have the same rows
+    layers = ("stack", _spans_key(config, spans))
+    alike = ("rows", units, layers, last, described)
+    if alike in shared:
+        return shared[alike]
+    if layers not in shared:
+        shared[layers] = _stack_bytes(config, spans, N)
+    stack, layout = shared[layers]
     rows = [Row("activations", units * stack / v, "forward",
                 f"{units} micro-batch(es) in flight x N={N:,} tokens x per-layer bytes "
-                f"(memory_activations.py) of layers [{layout}] / {v} chunk(s)"),
+                f"(memory_activations.py) of layers [{layout}] / {v} chunk(s)" if described
+                else ""),
             Row("rope tables and token ids", units * N * (2 * _head_dim(m) * b + 16), "forward",
-                f"{units} x N x (cos, sin: 2 x D x {b} B + 16 B ids)")]
-    last = pp_rank == d.pp_size - 1
+                f"{units} x N x (cos, sin: 2 x D x {b} B + 16 B ids)" if described else "")]
     if d.pp_size > 1:          # each chunk output kept until its backward; one of each in transit
         outputs = units - (-(-units // v) if last else 0)
         rows.append(Row("pipeline hand-offs", (outputs + 2) * N * C * b, "forward",
                         f"({outputs} chunk outputs kept + an activation and a gradient in "
-                        f"transit) x N x C x {b} B"))
-    loss_kept, loss_peak, loss_formula = loss_bytes(config, N) if last else (0, 0, "none here")
+                        f"transit) x N x C x {b} B" if described else ""))
+    if last and "loss" not in shared:
+        shared["loss"] = loss_bytes(config, N)
+    loss_kept, loss_peak, loss_formula = shared["loss"] if last else (0, 0, "none here")
     if last:                   # the last chunk's micro-batches in flight, each with its loss
         ends = -(-units // v)
         fused = m.kernels in ("triton", "liger")
         rows.append(Row("final norm", ends * N * norm_bytes(config, fused), "forward",
-                        f"{ends} x N x one norm's bytes per token"))
+                        f"{ends} x N x one norm's bytes per token" if described else ""))
         if ends > 1:
             rows.append(Row("losses of the other micro-batches in flight",
                             (ends - 1) * loss_kept, "forward",
-                            f"{ends - 1} x what one loss keeps for backward"))
-    backward, backward_formula = layer_backward_bytes(config, N)
+                            f"{ends - 1} x what one loss keeps for backward" if described
+                            else ""))
+    if "backward" not in shared:
+        shared["backward"] = layer_backward_bytes(config, N)
+    backward, backward_formula = shared["backward"]
     rows.append(Row("loss or one layer's backward, the larger", max(loss_peak, backward),
                     "forward", f"max(loss {loss_peak / GiB:.2f} GiB: {loss_formula}; "
-                    f"backward {backward / GiB:.2f} GiB: {backward_formula})"))
+                    f"backward {backward / GiB:.2f} GiB: {backward_formula})" if described
+                    else ""))
+    shared[alike] = rows
     return rows
 
 

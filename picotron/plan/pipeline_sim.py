@@ -26,90 +26,115 @@ from picotron.pipeline_parallel.schedules import schedule_orders, stage_of, time
 Simulation = namedtuple("Simulation", "makespan_s busy_s timeline")
 
 
-def _needs(kind, stage, micro, last):
-    """The (kind, stage, micro) whose output this action consumes, or None."""
-    if kind == "F":
-        return None if stage == 0 else ("F", stage - 1, micro)
-    return None if stage == last else ("B", stage + 1, micro)
-
-
 @functools.lru_cache(maxsize=256)
 def _dag(engine, pp, micro_batches, v):
     """The orders as a graph, once per schedule: each action's rank, kind, stage, the action
     before it on its rank and the one whose output it consumes (-1: none), and the actions
     grouped by depth (a level's actions depend only on earlier levels), so that timing the
-    graph is one vector step a level."""
+    graph is one vector step a level. An action's index is its place in a sweep over the
+    ranks that takes each rank's next actions while their inputs exist (a topological order;
+    ties in start time are listed in it)."""
     orders = schedule_orders(engine, pp, micro_batches, v)
-    last = pp * v - 1
-    index, rows, pos, depth = {}, [], [0] * pp, []
-    prev = [-1] * pp
-    total = sum(len(o) for o in orders)
-    while len(rows) < total:
+    last, m = pp * v - 1, micro_batches
+    # an action (kind, stage s, micro) as one int: 2 (s m + micro) + 1 for a forward
+    index, cols, depth = {}, [], []
+    find, add, deepen = index.get, cols.append, depth.append        # (the loop runs often)
+    pos, prev = [0] * pp, [-1] * pp
+    total, here = sum(len(o) for o in orders), 0
+    while here < total:
         progressed = False
         for r in range(pp):
             order, at, before = orders[r], pos[r], prev[r]
-            while at < len(order):
-                kind, chunk, micro = a = order[at]
+            after, size = depth[before] if before >= 0 else -1, len(order)
+            while at < size:
+                kind, chunk, micro = order[at]
                 s = chunk * pp + r                              # stage_of
-                need = _needs(kind, s, micro, last)
-                got = -1 if need is None else index.get(need)
+                if kind == "F":                                 # its input: F of s - 1
+                    got = find(2 * ((s - 1) * m + micro) + 1) if s else -1
+                else:                                           # B of s + 1
+                    got = find(2 * ((s + 1) * m + micro)) if s != last else -1
                 if got is None:
                     break
-                index[(kind, s, micro)] = len(rows)
-                depth.append(1 + max(depth[before] if before >= 0 else -1,
-                                     depth[got] if got >= 0 else -1))
-                rows.append((r, kind == "F", s, micro, a.chunk, before, got))
-                before = len(rows) - 1
-                at += 1
-                progressed = True
+                index[2 * (s * m + micro) + (kind == "F")] = here
+                after = 1 + (after if got < 0 or after >= depth[got] else depth[got])
+                deepen(after)
+                add((r, kind == "F", s, micro, chunk, before, got))
+                before, here, at = here, here + 1, at + 1
+            progressed = progressed or at > pos[r]
             pos[r], prev[r] = at, before
         if not progressed:
             raise RuntimeError(f"schedule {engine} deadlocks: every rank waits")
-    cols = [np.array(c) for c in zip(*rows)]
-    rank, forward, stage, micro, chunk, before, input_of = cols
+    rank, forward, stage, micro, chunk, before, input_of = (np.array(c) for c in zip(*cols))
     depth = np.array(depth)
     order = np.argsort(depth, kind="stable")        # each level's actions in index order
-    levels = np.split(order, np.flatnonzero(np.diff(depth[order])) + 1)
-    n = len(rows)        # index n stands for "nothing": its end time is 0
-    return (rank, forward, stage, micro, chunk, np.where(before < 0, n, before),
-            np.where(input_of < 0, n, input_of), input_of >= 0, levels)
+    n = len(cols)        # index n stands for "nothing": its end time is 0
+    # the actions renumbered in `order`, so that a level is a slice [lo, hi); a rank's actions
+    # keep their order in it (each is one level deeper than the one before it on its rank)
+    at = np.empty(n + 1, dtype=int)
+    at[order], at[n] = np.arange(n), n
+    has_input = input_of >= 0
+    before, inputs = at[np.where(before < 0, n, before)][order], at[np.where(
+        has_input, input_of, n)][order]
+    has, levels = has_input[order], []
+    bounds = np.concatenate(([0], np.flatnonzero(np.diff(depth[order])) + 1, [n]))
+    having = np.add.reduceat(has.astype(int), bounds[:-1])     # a level's actions with input
+    for lo, hi, some in zip(bounds[:-1].tolist(), bounds[1:].tolist(), having.tolist()):
+        levels.append((lo, hi, before[lo:hi], inputs[lo:hi],        # which have an input:
+                       True if some == hi - lo else has[lo:hi, None] if some else None))
+    return _Graph(rank[order], forward[order], stage[order], levels, at[:n], (
+        rank, forward, micro, chunk, np.where(has_input, input_of, n), has_input))
+
+
+# a schedule's graph: rank, forward, stage of each action in level order; the levels; each
+# action's place in level order by its index; and the timeline's columns in index order
+_Graph = namedtuple("_Graph", "rank forward stage levels at columns")
+
+
+def _run(graph, pp, forward_s, backward_s, send_s, starts=True):
+    """(start, end, busy) of B simulations: forward_s, backward_s (B, S), send_s (B,); start
+    (None unless `starts`) and end (actions, B) in level order (end with a last row of
+    zeros), busy (pp, B). An action starts at the later of its rank's previous end and its
+    input's end plus send_s; a level with no inputs skips the sum (0 + 0 x send_s is 0, and
+    ends are >= 0), one whose every action has an input the product (x 1)."""
+    f, b = np.asarray(forward_s, dtype=float), np.asarray(backward_s, dtype=float)
+    send = np.asarray(send_s, dtype=float)
+    dur = np.where(graph.forward[:, None], f[:, graph.stage].T, b[:, graph.stage].T)
+    end = np.zeros((len(dur) + 1, len(send)))
+    start = np.empty_like(dur) if starts else None
+    for lo, hi, before, inputs, has in graph.levels:     # in place: a level is often small
+        first = end[before]
+        if has is not None:
+            arrived = end[inputs]
+            arrived += send if has is True else send * has
+            np.maximum(first, arrived, out=first)
+        if starts:
+            start[lo:hi] = first
+        np.add(first, dur[lo:hi], out=end[lo:hi])
+    busy = np.zeros((pp, len(send)))        # each rank's durations summed in its order, as
+    np.add.at(busy, graph.rank, dur)        # np.bincount sums them
+    return start, end, busy
 
 
 def simulate_async(engine, pp, micro_batches, v, forward_s, backward_s, send_s) -> Simulation:
-    rank, forward, stage, micro, chunk, before, input_of, has_input, levels = _dag(
-        engine, pp, micro_batches, v)
-    dur = np.where(forward, np.asarray(forward_s)[stage], np.asarray(backward_s)[stage])
-    end = np.zeros(len(dur) + 1)
-    start = np.zeros(len(dur))
-    for idx in levels:
-        start[idx] = np.maximum(end[before[idx]], end[input_of[idx]] + send_s * has_input[idx])
-        end[idx] = start[idx] + dur[idx]
-    busy = np.bincount(rank, weights=dur, minlength=pp)
-    return Simulation(float(end.max()), list(busy),
-                      _AsyncTimeline(rank, forward, micro, chunk, start, end[:-1],
-                                     input_of, has_input, send_s))
+    graph = _dag(engine, pp, micro_batches, v)
+    start, end, busy = _run(graph, pp, [forward_s], [backward_s], [send_s])
+    rank, forward, micro, chunk, input_of, has_input = graph.columns
+    return Simulation(float(end.max()), busy[:, 0].tolist(),
+                      _AsyncTimeline(rank, forward, micro, chunk, start[graph.at, 0],
+                                     end[graph.at, 0], input_of, has_input, send_s))
 
 
 def simulate_async_batch(engine, pp, micro_batches, v, forward_s, backward_s, send_s) -> list:
     """simulate_async for B sets of durations at once (forward_s, backward_s: B rows of S;
     send_s: B), each row's arithmetic the same operations in the same order, so each
     Simulation equals simulate_async's; their timelines are simulated again when read."""
-    rank, forward, stage, micro, chunk, before, input_of, has_input, levels = _dag(
-        engine, pp, micro_batches, v)
-    f, b = np.asarray(forward_s, dtype=float), np.asarray(backward_s, dtype=float)
-    send = np.asarray(send_s, dtype=float)
-    dur = np.where(forward[:, None], f[:, stage].T, b[:, stage].T)        # (actions, B)
-    end = np.zeros((len(dur) + 1, len(send)))
-    has = has_input[:, None]
-    for idx in levels:
-        start = np.maximum(end[before[idx]], end[input_of[idx]] + send * has[idx])
-        end[idx] = start + dur[idx]
+    _, end, busy = _run(_dag(engine, pp, micro_batches, v), pp, forward_s, backward_s, send_s,
+                        starts=False)
     makespan = end.max(axis=0)
     out = []
-    for j in range(len(send)):
-        busy = np.bincount(rank, weights=dur[:, j], minlength=pp)
+    for j in range(len(send_s)):
         args = (engine, pp, micro_batches, v, forward_s[j], backward_s[j], send_s[j])
-        out.append(Simulation(float(makespan[j]), list(busy), _Later(args)))
+        out.append(Simulation(float(makespan[j]), busy[:, j].tolist(), _Later(args)))
     return out
 
 

@@ -7,8 +7,6 @@ a cache, a dict kept for one search, and looks each piece up under the values it
 The keys name those values; tests/test_plan_search_speed.py holds a search's predictions
 with the cache to the ones without it.
 """
-import numpy as np
-
 from picotron.plan.memory_activations import activation_rows, virtual_stages
 from picotron.plan.memory_plan import estimate, has_auto
 from picotron.plan.memory_state import rank_params, state_rows
@@ -31,6 +29,14 @@ def compute_key(config) -> tuple:
             t.cuda_graphs)
 
 
+def optimizer_key(config, params) -> tuple:
+    """What compute_time.optimizer_s reads of a rank holding `params` parameters: its ZeRO
+    shard (dp, cp, zero) and the traffic's "step" terms, which FP8 adds to (CUDA graphs add
+    a term of another scope; counted too, as compute_key counts it)."""
+    d, t = config.distributed, config.training
+    return ("optimizer", params, d.dp_size, d.cp_size, d.zero_stage, t.fp8, t.cuda_graphs)
+
+
 def cached(cache, key, compute, *args):
     """compute(*args), looked up in `cache` under `key` (None: no cache)."""
     if cache is None:
@@ -41,66 +47,99 @@ def cached(cache, key, compute, *args):
     return value
 
 
-def _bytes_by_when(rows) -> dict:
-    out = {}
+def _sums(rows, moments: tuple):
+    """{when: sum of the rows' bytes at that moment, in their order} of one rank's rows, or
+    None when a row falls outside `moments` (the ones its part alone fills) and "host"."""
+    sums = dict.fromkeys(moments, 0)
     for row in rows:
-        out.setdefault(row.when, []).append(row.bytes)
-    return out
+        if row.when in sums:
+            sums[row.when] += row.bytes
+        elif row.when != "host":
+            return None
+    return {when: float(total) for when, total in sums.items()}
 
 
-def _total(first: dict, second: dict, when: str):
-    """sum(bytes of `when` over first's rows, then second's), summed in that order."""
-    a, b = first.get(when), second.get(when)
-    if not b:
-        return sum(a) if a else 0
-    total = sum(a) if a else 0
-    for x in b:
-        total += x
-    return total
+def state_key(k: tuple) -> tuple:
+    """What state_rows reads of layout_key `k` beside the rank's Params: the grid, ZeRO, FP8,
+    and whether there is accumulation (grad_acc > 1: the gradients' dtype and lifetime)."""
+    return k[:4] + k[5:6] + (k[7] > 1,) + k[9:10]
 
 
-def _rank_parts(rows_of, pp: int, own: tuple):
-    """Each rank's rows as {when: [bytes]}, and, when every rank's rows fall in `own` (the
-    moments this part alone fills), {when: numpy array of each rank's sum}."""
-    parts = [_bytes_by_when(rows_of(r)) for r in range(pp)]
-    if any(set(p) - set(own) - {"host"} for p in parts):
-        return parts, None
-    return parts, {w: np.array([float(sum(p.get(w, ()))) for p in parts]) for w in own}
-
-
-def _state_rows(config, params, cache):
-    """state_rows, which reads the rank only through its Params: the middle ranks' once."""
+def _state_sums(config, v, cache):
+    """Each rank's state rows summed by moment (held, step), or None (_sums); state_rows reads
+    the rank only through its Params (rank_params), so alike ranks are summed once."""
     k = layout_key(config)
-    return cached(cache, ("state rows", params) + k[:4] + k[5:6] + k[7:8] + k[9:10],
-                  state_rows, config, params)
+    ranks = cached(cache, ("rank params", v) + k[:4],
+                   lambda: [rank_params(config, i) for i in range(config.distributed.pp_size)])
+    reads, of_params = state_key(k), {}
+    for params in ranks:            # the middle ranks' Params are one: looked up once
+        if params not in of_params:
+            of_params[params] = cached(cache, ("state sums", params) + reads, _rank_state_sums,
+                                       config, params)
+    sums = [of_params[params] for params in ranks]
+    return None if None in sums else sums
+
+
+def _rank_state_sums(config, params):
+    return _sums(state_rows(config, params), ("held", "step"))
+
+
+def _activation_sums(config):
+    """Each rank's activation rows summed at "forward", or None (_sums)."""
+    shared = {}         # what the ranks of this config compute alike (activation_rows)
+    sums, of_rows = [], {}          # alike ranks share one list of rows: summed once
+    for r in range(config.distributed.pp_size):
+        rows = activation_rows(config, r, shared, described=False)
+        if id(rows) not in of_rows:
+            of_rows[id(rows)] = _sums(rows, ("forward",))
+        sums.append(of_rows[id(rows)])
+    return None if None in sums else sums
 
 
 def cached_memory(config, cache) -> tuple:
     """(held bytes, device bytes) of memory_plan.estimate(config), the sums of its
-    rank_estimate in its order (the state rows, then the activation rows), each part's rows
+    rank_estimate in its order (the state rows, then the activation rows), each part's sums
     of every rank cached by the knobs they read (memory_state.py, memory_activations.py)."""
     if has_auto(config):
         e = estimate(config)
         return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    k, v, pp = layout_key(config), virtual_stages(config), config.distributed.pp_size
-    state, state_sums = cached(
-        cache, ("state", v) + k[:4] + k[5:6] + k[7:8] + k[9:10], _rank_parts,
-        lambda r: _state_rows(config, cached(
-            cache, ("rank params", v) + k[:4],
-            lambda: [rank_params(config, i) for i in range(pp)])[r], cache), pp,
-        ("held", "step"))
-    act, act_sums = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14],
-                           _rank_parts, lambda r: activation_rows(config, r), pp, ("forward",))
-    graphs = config.training.cuda_graphs is True
-    if state_sums is not None and act_sums is not None:     # the parts' moments apart
-        held, forward, step = state_sums["held"], act_sums["forward"], state_sums["step"]
-        device = held + forward + step if graphs else held + np.maximum(forward, step)
-        best = int(np.argmax(device))                       # the first of the largest
-        return float(held[best]), float(device[best])
+    return cached(cache, memory_key(config), _memory, config, cache)
+
+
+def memory_key(config) -> tuple:
+    """What the memory's rows read of layout_key: all but cp_mode (the parts' keys below);
+    "auto" options (has_auto) as given, which the search's base config resolves alike."""
+    k = layout_key(config)
+    return ("memory",) + k[:4] + k[5:]
+
+
+def _memory(config, cache) -> tuple:
+    """cached_memory of a config without "auto"."""
+    k, v = layout_key(config), virtual_stages(config)
+    state = cached(cache, ("state", v) + state_key(k), _state_sums, config, v, cache)
+    act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
+                 config)
+    if state is None or act is None:        # a row at another part's moment: sum them all
+        return _summed_memory(config)
+    graphs, best = config.training.cuda_graphs is True, None
+    for s, a in zip(state, act):            # the first rank of the largest, as estimate's max
+        held, forward, step = s["held"], a["forward"], s["step"]
+        device = held + forward + step if graphs else held + (
+            forward if forward >= step else step)
+        if best is None or device > best[1]:
+            best = (held, device)
+    return best
+
+
+def _summed_memory(config) -> tuple:
+    """cached_memory of rows that do not keep to their parts' moments: each rank's totals."""
     best = None
-    for r in range(pp):
-        held, forward, step = (_total(state[r], act[r], w) for w in ("held", "forward", "step"))
-        device = held + forward + step if graphs else held + max(forward, step)
+    for r in range(config.distributed.pp_size):
+        rows = state_rows(config, rank_params(config, r)) + activation_rows(config, r)
+        held, forward, step = (sum(row.bytes for row in rows if row.when == when)
+                               for when in ("held", "forward", "step"))
+        device = held + forward + step if config.training.cuda_graphs is True else held + max(
+            forward, step)
         if best is None or device > best[1]:
             best = (held, device)
     return best

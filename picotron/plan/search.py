@@ -23,31 +23,23 @@ the interleaved engine is tried only with v dividing layers / pp and grad_acc a 
 refuses for one reason at both ends of its layouts (grid_verdict) has all of them counted as
 refused for it, unjudged. tests/test_plan_search.py holds the accepted set to a brute-force
 filter through config_from_dict itself. Each accepted layout is then scored by
-step_time.predict; one that does not fit the GPU's memory is refused with the model's note.
+step_time.predict; one that does not fit the GPU's memory is refused with the model's note,
+from its memory alone (step_time.cached_fit: the same estimate), before its step is timed.
 """
 import functools
+import gc
 import re
 import time
-from collections import Counter
+from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 
-from picotron.config import Config, ConfigError, config_from_dict, resolve_auto
+from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config.overrides import apply_overrides
 from picotron.config.presets import resolve_model
-from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES, layout_errors
-from picotron.config.ranges import RANGES
+from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES
+from picotron.plan.judge import LAYOUT_KEYS, grid_verdict, judge, knobs_in_range
 from picotron.plan.layouts import node_refusal
 
-# short name -> (section, key) of the config; the CSV columns and the table use the short names
-LAYOUT_KEYS = {
-    "dp": ("distributed", "dp_size"), "tp": ("distributed", "tp_size"),
-    "pp": ("distributed", "pp_size"), "cp": ("distributed", "cp_size"),
-    "cp_mode": ("distributed", "cp_mode"), "zero": ("distributed", "zero_stage"),
-    "mbs": ("training", "micro_batch_size"),
-    "grad_acc": ("training", "gradient_accumulation_steps"),
-    "recompute": ("training", "activation_checkpointing"), "fp8": ("training", "fp8"),
-    "pp_engine": ("distributed", "pp_engine"), "interleave": ("distributed", "pp_virtual_stages"),
-}
 RECOMPUTE = tuple(c for c in CHECKPOINTING if c != "auto")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -56,6 +48,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 class Scored:
     layout: dict            # short name -> value, every knob of LAYOUT_KEYS
     prediction: object      # step_time.Prediction
+
+
+# a layout's outcome where memory alone refuses it: as a Prediction's fits and note
+Unfit = namedtuple("Unfit", "fits note")
 
 
 @dataclass
@@ -143,76 +139,6 @@ def grid_layouts(gpus: int, sequences: int, fixed: dict, base: dict, gpus_per_no
             yield {**grid, "cp_mode": mode}, why or node_refusal(grid, gpus, gpus_per_node)
 
 
-def _copy(section):
-    """A shallow copy of a config section: dataclasses.replace(section) without its __init__
-    (the sections are plain dataclasses: no __post_init__, every field an init field)."""
-    copy = object.__new__(type(section))
-    copy.__dict__.update(section.__dict__)
-    return copy
-
-
-def with_layout(base: Config, layout: dict) -> Config:
-    """`base` (as given, "auto" unresolved) with the layout's knobs set; sections the layout
-    does not touch are shared, not copied."""
-    config, distributed, training = _copy(base), _copy(base.distributed), _copy(base.training)
-    config.distributed, config.training = distributed, training
-    sections = {"distributed": distributed, "training": training}
-    for name, value in layout.items():
-        section, key = LAYOUT_KEYS[name]
-        setattr(sections[section], key, value)
-    return config
-
-
-def judge(base: Config, layout: dict, gpus: int):
-    """(resolved Config, []) when the config accepts the layout, else (None, its errors): what
-    config_from_dict(raw, world_size=gpus) decides, for a raw dict whose types are right.
-    `base` passed config_from_dict, so of range_errors only the knobs' own ranges can fail
-    (its other checks read the dataset section, which the layout does not touch)."""
-    errors = knob_range_errors(layout)
-    if errors:
-        return None, errors
-    resolved = with_layout(base, layout)        # its own sections, resolved in place
-    resolved.model = _copy(base.model)
-    resolve_auto(resolved)
-    errors = layout_errors(resolved, gpus)
-    return (None, errors) if errors else (resolved, [])
-
-
-def knob_range_errors(layout: dict) -> list:
-    """range_errors' message for each knob of `layout` outside its range (RANGES' own)."""
-    errors = []
-    for name, value in layout.items():
-        message = _knob_range_error(name, value)
-        if message:
-            errors.append(message)
-    return errors
-
-
-@functools.lru_cache(maxsize=4096, typed=True)
-def _knob_range_error(name: str, value) -> str:
-    """One knob's range_errors message, '' in range: a function of the value alone."""
-    section, key = LAYOUT_KEYS[name]
-    allowed, why = RANGES.get(f"{section}.{key}", (None, ""))
-    problem = allowed.problem(value) if allowed is not None else None
-    if not problem:
-        return ""
-    default = getattr(getattr(Config(), section), key)
-    return (f"{section}.{key}={value!r} {problem} ({why}); set it in {allowed}, "
-            f"e.g. {default!r} (the default)")
-
-
-def grid_verdict(base: Config, layouts: list, gpus: int) -> str:
-    """The config's first error for a grid whose layouts it refuses for the grid alone, else
-    ''. Its first and last layouts differ in every other knob that has a choice (ZeRO 0 and 3,
-    the smallest and largest micro-batch, none and the last recomputation, FP8 off and on,
-    afab and interleaved): refused by both with one message, the grid is what it refuses
-    (tests/test_plan_search.py holds the search to a brute-force filter)."""
-    if not layouts:
-        return ""
-    first, last = judge(base, layouts[0], gpus)[1], judge(base, layouts[-1], gpus)[1]
-    return first[0] if first and last and first[0] == last[0] else ""
-
-
 @functools.lru_cache(maxsize=65536)
 def reason(message: str) -> str:
     """A refusal's message with its numbers masked, so that layouts refused by one rule count
@@ -238,6 +164,22 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
     model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict,
     through step_time.predict_many: the same predictions, sharing their common pieces)."""
     start = time.perf_counter()
+    # a search makes some hundred thousand objects that live until it ends: the cyclic
+    # collector's passes over them (a quarter of its time) would free next to nothing
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        result = _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predict,
+                         keep_refused)
+    finally:
+        if collecting:
+            gc.enable()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predict,
+            keep_refused) -> SearchResult:
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(LAYOUT_KEYS))
     if unknown:
@@ -271,15 +213,23 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
             continue
         layouts = list(subtree(grid, sequences, layers, fp8_options(profile), fixed, defaults))
         verdict = grid_verdict(base, layouts, gpus)
+        in_range = not verdict and knobs_in_range(layouts)
         for layout in layouts:
             result.considered += 1
-            config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus)
+            config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus,
+                                                                     in_range)
             judged.append((layout, config, errors[0] if errors else ""))
     # every accepted layout scored, then each judged layout's outcome in the order judged
     configs = [config for _, config, _ in judged if config is not None]
     if predict is None:     # the model, the pieces layouts share computed once
-        from picotron.plan.step_time import predict_many
-        predictions = iter(predict_many(configs, profile, gpus_per_node, {}))
+        from picotron.plan.step_time import cached_fit, predict_many
+        # a layout that does not fit is refused on its memory alone, with the note predict
+        # gives it (from the same estimate), and its step is not timed
+        cache = {}
+        fitted = [cached_fit(config, profile, cache) for config in configs]
+        timed = iter(predict_many([config for config, (_, fits, _) in zip(configs, fitted)
+                                   if fits], profile, gpus_per_node, cache))
+        predictions = (next(timed) if fits else Unfit(False, note) for _, fits, note in fitted)
     else:
         predictions = (predict(config, profile, gpus_per_node) for config in configs)
     for layout, config, message in judged:
@@ -293,5 +243,4 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
         result.ranked.append(Scored(layout, prediction))
     # fastest first; of two as fast, the one that needs less memory
     result.ranked.sort(key=lambda s: (-s.prediction.tok_s_gpu, s.prediction.mem_gib))
-    result.seconds = time.perf_counter() - start
     return result

@@ -32,7 +32,8 @@ from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_l
 from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
 from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_state import layer_params, rank_params
-from picotron.plan.predict_cache import cached, cached_memory, compute_key, layout_key
+from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
+                                         memory_key, optimizer_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
 from picotron.plan.trainer_memory import fit_of, grads_held_apart, memory_fit
@@ -52,6 +53,16 @@ class Prediction:
     parts: dict              # seconds of the step on its busiest rank, by PARTS
     timeline: Sequence       # (pp_rank, kind, micro, chunk, start_s, end_s), kind in
                              # F, B, send, comm, idle; built when first read
+
+
+def cached_fit(config, profile, cache):
+    """memory_fit(config, profile), kept in `cache`: from cached_memory's sums, or for a
+    trainer that holds its gradient buffers all step (grads_held_apart) from its own rows."""
+    if grads_held_apart(config, profile):
+        return cached(cache, ("fit, grads held",) + memory_key(config), memory_fit, config,
+                      profile)
+    return cached(cache, ("fit",) + memory_key(config),
+                  lambda: fit_of(config, profile, *cached_memory(config, cache)))
 
 
 def layer_pass(config, profile, links, groups, cache=None):
@@ -149,10 +160,8 @@ def after_backward(config, profile, links, groups, rank, last_backward, first_fo
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    # optimizer_s reads the ZeRO shards (dp, cp, zero) of layout_key, and compute_key's
-    return reduce + gather, cached(cache, ("optimizer", params, d.dp_size, d.cp_size,
-                                           d.zero_stage) + compute_key(config), optimizer_s,
-                                   config, profile, params) + host
+    return reduce + gather, cached(cache, optimizer_key(config, params), optimizer_s, config,
+                                   profile, params) + host
 
 
 def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
@@ -190,20 +199,17 @@ def _tails(config, profile, links, groups, forward, backward, v, cache):
     """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
     whose tail is the longest)."""
     pp = config.distributed.pp_size
-    key = layout_key(config)[:6] + compute_key(config)
-    ranks = cached(cache, ("rank params", v) + key[:4],
+    ranks = cached(cache, ("rank params", v) + layout_key(config)[:4],
                    lambda: [rank_params(config, r) for r in range(pp)])
     tails, alike = [], {}
-    for r, rank in enumerate(ranks):    # the middle ranks are alike: each kind computed once
-        last_backward = sum(backward[r::pp])                # the rank's chunks, in order
-        first_forward = sum(forward[r::pp])
-        inputs = (rank, last_backward, first_forward)
-        if inputs not in alike:
-            alike[inputs] = cached(cache, ("tail",) + inputs + key, after_backward, config,
-                                   profile, links, groups, rank, last_backward,
-                                   first_forward, cache)
+    # each rank's chunks, in order; the middle ranks are alike: each kind computed once
+    for inputs in zip(ranks, [sum(backward[r::pp]) for r in range(pp)],
+                      [sum(forward[r::pp]) for r in range(pp)]):
+        if inputs not in alike:         # (the cache holds the whole list: "tails")
+            alike[inputs] = after_backward(config, profile, links, groups, *inputs, cache)
         tails.append(alike[inputs])
-    return tails, max(range(pp), key=lambda r: sum(tails[r]))
+    longest = [sum(tail) for tail in tails]
+    return tails, longest.index(max(longest))
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
@@ -255,12 +261,11 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     parts["pipeline_idle"] = idle - parts["pp"]
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
-    if cache is None or grads_held_apart(config, profile):
-        mem, fits, note = memory_fit(config, profile)
-    else:
-        mem, fits, note = fit_of(config, profile, *cached_memory(config, cache))
+    mem, fits, note = (memory_fit(config, profile) if cache is None else
+                       cached_fit(config, profile, cache))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
-    mfu = tok * flops_per_token(config.model, t.seq_length) / profile["peak_bf16_flops"]
+    flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
+    mfu = tok * flops / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
                       {k: float(v) for k, v in parts.items()},
                       Joined(sim.timeline, TailEvents(sim.makespan_s, tails)))
