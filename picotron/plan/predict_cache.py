@@ -80,8 +80,18 @@ def _state_sums(config, v, cache):
     return None if None in sums else sums
 
 
+# the rows a trainer that holds its gradient buffers all step keeps "held" (trainer_memory)
+GRADIENT_ROWS = ("gradient buffers", "gradient shards")
+
+
 def _rank_state_sums(config, params):
-    return _sums(state_rows(config, params), ("held", "step"))
+    """_sums at held and step, and "grads at step": the GRADIENT_ROWS' bytes among the step's."""
+    rows = state_rows(config, params)
+    sums = _sums(rows, ("held", "step"))
+    if sums is not None:
+        sums["grads at step"] = float(sum(row.bytes for row in rows
+                                          if row.name in GRADIENT_ROWS and row.when == "step"))
+    return sums
 
 
 def _activation_sums(config):
@@ -96,14 +106,18 @@ def _activation_sums(config):
     return None if None in sums else sums
 
 
-def cached_memory(config, cache) -> tuple:
+def cached_memory(config, cache, grads_held: bool = False) -> tuple:
     """(held bytes, device bytes) of memory_plan.estimate(config), the sums of its
     rank_estimate in its order (the state rows, then the activation rows), each part's sums
-    of every rank cached by the knobs they read (memory_state.py, memory_activations.py)."""
+    of every rank cached by the knobs they read (memory_state.py, memory_activations.py).
+    grads_held: with the gradient buffers held all step (trainer_memory.grads_held_memory);
+    None where that needs the whole estimate (a config with "auto", rows off their moments)."""
     if has_auto(config):
+        if grads_held:
+            return None             # the caller's own estimate (trainer_memory.memory_fit)
         e = estimate(config)
         return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    return cached(cache, memory_key(config), _memory, config, cache)
+    return cached(cache, memory_key(config) + (grads_held,), _memory, config, cache, grads_held)
 
 
 def memory_key(config) -> tuple:
@@ -113,17 +127,19 @@ def memory_key(config) -> tuple:
     return ("memory",) + k[:4] + k[5:]
 
 
-def _memory(config, cache) -> tuple:
+def _memory(config, cache, grads_held) -> tuple:
     """cached_memory of a config without "auto"."""
     k, v = layout_key(config), virtual_stages(config)
     state = cached(cache, ("state", v) + state_key(k), _state_sums, config, v, cache)
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
                  config)
     if state is None or act is None:        # a row at another part's moment: sum them all
-        return _summed_memory(config)
+        return None if grads_held else _summed_memory(config)
     graphs, best = config.training.cuda_graphs is True, None
     for s, a in zip(state, act):            # the first rank of the largest, as estimate's max
         held, forward, step = s["held"], a["forward"], s["step"]
+        if grads_held:
+            held, step = held + s["grads at step"], step - s["grads at step"]
         device = held + forward + step if graphs else held + (
             forward if forward >= step else step)
         if best is None or device > best[1]:

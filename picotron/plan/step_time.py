@@ -56,13 +56,14 @@ class Prediction:
 
 
 def cached_fit(config, profile, cache):
-    """memory_fit(config, profile), kept in `cache`: from cached_memory's sums, or for a
-    trainer that holds its gradient buffers all step (grads_held_apart) from its own rows."""
-    if grads_held_apart(config, profile):
-        return cached(cache, ("fit, grads held",) + memory_key(config), memory_fit, config,
-                      profile)
-    return cached(cache, ("fit",) + memory_key(config),
-                  lambda: fit_of(config, profile, *cached_memory(config, cache)))
+    """memory_fit(config, profile), kept in `cache`, from cached_memory's sums (with the
+    gradient buffers held all step for a trainer that holds them: grads_held_apart)."""
+    held = grads_held_apart(config, profile)
+
+    def fit():
+        sums = cached_memory(config, cache, held)
+        return memory_fit(config, profile) if sums is None else fit_of(config, profile, *sums)
+    return cached(cache, ("fit", held) + memory_key(config), fit)
 
 
 def layer_pass(config, profile, links, groups, cache=None):
