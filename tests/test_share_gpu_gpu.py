@@ -5,7 +5,7 @@
 
 LAYOUTS below run 10 steps each with the GPU defaults ("auto": our Triton kernels, the fused
 loss where tp = 1, selective recomputation; CUDA graphs and FP8 where auto picks them, which
-for this small model is nowhere above one rank, so two rows ask for them), all ranks on
+for this small model is nowhere above one rank, so three rows ask for them), all ranks on
 cuda:0 over gloo. Each is compared with one process on the same GPU with the same settings:
 the layout's own resolved "auto" choices and speed flags, the same global batch of 8
 sequences by gradient accumulation.
