@@ -20,6 +20,10 @@ Reading order (each file needs only the ones before it):
     comm_time.py           each collective's time from its size, algorithm and the links its
                            group crosses (inside a node or between nodes)
     pipeline_sim.py        the pipeline's timeline, simulated from the schedules' own orders
+    stage_split.py         which blocks each pipeline stage runs: the engine's equal split, or
+                           a profile's trainer's split by each block's compute
+    trainer_memory.py      a profile's memory of a layout against its GPU: the plan's estimate
+                           scaled to another trainer's runs, with the margin it must leave
     predict_cache.py       the pieces a search's predictions share, each kept under the knobs
                            it reads
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory

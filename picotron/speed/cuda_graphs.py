@@ -66,7 +66,8 @@ def capture_layers(model, config, device, grads):
     step (speed/fp8/delayed.py), which runs eager."""
     if getattr(grads, "gather", None) is not None:
         grads.gather.overlap = False
-    grads.overlap = False          # the reductions start after backward (the docstring says why)
+    if grads is not None:          # the reductions start after backward (the docstring says why)
+        grads.overlap = False
     t, m = config.training, config.model
     B, T = t.micro_batch_size, t.seq_length // config.distributed.cp_size
     dtype = next(model.parameters()).dtype
