@@ -2,8 +2,8 @@
 tests/test_share_gpu_gpu.py's runs (distributed.share_gpu; what each tolerance is, and why,
 is written there).
 
-    python bench/share_gpu_parity.py [--only dp2,tp2] [--set KEY=VALUE ...] [--tag T] [--out DIR]
-        [--cpu]
+    python bench/share_gpu_parity.py [--only dp2,tp2] [--set KEY=VALUE ...] [--tag T]
+        [--out DIR] [--cpu]
 
 Trains every layout of that file 10 steps with all its ranks on cuda:0 (over gloo), and the
 one-process runs it is compared with, then prints one row per layout: the largest loss,

@@ -21,9 +21,9 @@ How a step is put together, following this project's implementation:
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
 4. After each rank's last backward: the gradients' reduction over cp x dp (ZeRO-1/2's a
    reduce-scatter, or the all-reduce of a trainer that shards after it: zero1_reduce), in
-   buckets during that backward (what outlasts it is exposed); ZeRO-1/2's parameter all-gather, waited for
-   block by block in the next forward where the trainer overlaps it; the optimizer's passes,
-   and the host's AdamW for the share offloaded to it.
+   buckets during that backward (what outlasts it is exposed); ZeRO-1/2's parameter
+   all-gather, waited for block by block in the next forward where the trainer overlaps it;
+   the optimizer's passes, and the host's AdamW for the share offloaded to it.
 """
 import dataclasses
 from collections.abc import Sequence
