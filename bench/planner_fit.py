@@ -34,7 +34,9 @@ from planner_judge import ROOT, judge, load_runs, predictions, report
 from picotron.plan.hardware import HERE, load_profile
 from picotron.plan.memory_plan import GPU_RESERVED
 from picotron.plan.memory_state import GiB
-from picotron.plan.trainer_memory import held_and_device, logit_count
+from picotron.plan.nanotron_memory import rank_need, rank_parts
+from picotron.plan.trainer_memory import (counts_nanotron, held_and_device, logit_count,
+                                          memory_fit)
 
 MEMORY = ("mem_held_factor", "mem_act_factor", "mem_extra_gib")
 # the quantile of the memory the model leaves out (measured - predicted) that the margin covers
@@ -60,9 +62,14 @@ def fit_memory(profile, runs) -> dict:
     ran = [(row, config) for row, config in runs if row["status"] == "ran"]
     parts, rest = [], []
     for row, config in ran:
-        held, device = held_and_device(config, profile)
-        logits = logit_count(config)
-        parts.append((held / GiB, (device - held) / GiB, 1.0))
+        if counts_nanotron(config, profile):
+            # the Playbook's memory is world rank 0's, the first pipeline stage's: nanotron's
+            # benchmark mode writes its CSV row, and that rank's peak, from world rank 0
+            held, other, logits = rank_parts(config, profile, 0)
+        else:
+            held, device = held_and_device(config, profile)
+            other, logits = device - held, logit_count(config)
+        parts.append((held / GiB, other / GiB, 1.0))
         rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)
     x, m = np.array(parts), np.array([float(row["measured_mem_gb"]) for row, _ in ran])
     coef, _ = nnls(x / m[:, None], np.array(rest) / m)     # no factor below zero
@@ -73,6 +80,25 @@ def fit_memory(profile, runs) -> dict:
     usable = profile["memory_gib"] - GPU_RESERVED / GiB
     numbers["mem_margin"] = max(0.0, float(np.quantile(m - need, MARGIN_QUANTILE) / usable))
     return numbers
+
+
+def measured_rank_gib(config, profile) -> float:
+    """The predicted peak of the rank the runs' memory was measured on: world rank 0 (the
+    first pipeline stage) under nanotron's count, else the busiest rank's estimate."""
+    if counts_nanotron(config, profile):
+        return rank_need(rank_parts(config, profile, 0), profile) / GiB
+    return memory_fit(config, profile)[0]
+
+
+def memory_line(profile, runs) -> str:
+    """The median |predicted / measured - 1| of the memory, per model, over the runs that ran."""
+    errors = defaultdict(list)
+    for row, config in runs:
+        if row["status"] == "ran":
+            measured = float(row["measured_mem_gb"])
+            errors[row["model"]].append(abs(measured_rank_gib(config, profile) / measured - 1))
+    return "  memory, median |p/m-1| of the measured rank's peak: " + ", ".join(
+        f"{model} {np.median(e):.3f}" for model, e in sorted(errors.items()))
 
 
 def fit_time(profile, runs, max_evals) -> dict:
@@ -164,16 +190,20 @@ def main():
     shipped = {k: profile[k] for k in ("mem_logit_bytes", *MEMORY, "mem_margin", *FREE)}
     print(numbers_line("profile as shipped", shipped))
     print("\n".join(report("as shipped", judge(profile, runs))))
+    print(memory_line(profile, runs))
     both = fit(profile, runs, args.per_cell, args.max_evals)
     print(numbers_line("fit on both shapes", both))
     print("\n".join(report("in sample (fit on 1B and 8B, judged on both)",
                            judge(profile.with_numbers(**both), runs))))
+    print(memory_line(profile.with_numbers(**both), runs))
     for train, test in () if args.quick else (("1B", "8B"), ("8B", "1B")):
         numbers = fit(profile, [r for r in runs if r[0]["model"] == train], args.per_cell,
                       args.max_evals)
         print(numbers_line(f"fit on {train}", numbers))
         print("\n".join(report(f"leave one model out: fit on {train}, judged on {test}", judge(
             profile.with_numbers(**numbers), [r for r in runs if r[0]["model"] == test]))))
+        print(memory_line(profile.with_numbers(**numbers),
+                          [r for r in runs if r[0]["model"] == test]))
     if args.write:
         write_profile(both, when)
 

@@ -1,9 +1,10 @@
 """The terms the playbook-h100 profile adds for nanotron's runs: a micro-batch's stall that
 grows with the job's nodes, the host's wait on each tensor-parallel collective on a
 pipeline's rank, the pipeline split by each block's compute, ZeRO-1's all-reduce before it
-shards, and the gradient buffers held all step. Each is checked with the term set and unset
-(or against this project's behaviour), so a term that stopped reaching the prediction fails
-here. CPU only: the model is arithmetic."""
+shards, and the gradient buffers held all step (a trait of a profile the memory plan counts;
+tests/test_plan_nanotron_memory.py checks nanotron's own count). Each is checked with the
+term set and unset (or against this project's behaviour), so a term that stopped reaching
+the prediction fails here. CPU only: the model is arithmetic."""
 import dataclasses
 
 import pytest
@@ -100,11 +101,16 @@ def test_nanotrons_zero1_all_reduces_before_it_shards():
     assert slow > quick > 0
 
 
+def grads_held_profile(held=True):
+    """playbook-h100 counted by the memory plan (no nanotron count), with grads_held set."""
+    return with_traits(playbook(), memory=None, grads_held=held)
+
+
 @pytest.mark.parametrize("micro, apart", [(1, True), (4, False)])
 def test_gradient_buffers_held_all_step_at_one_micro_batch(micro, apart):
     config = config_for(dict(LLAMA_8B, pp=1, dp=16, tp=4, mbs=4 // micro, grad_acc=micro))
-    held, device = held_and_device(config, playbook())
-    plan_held, plan_device = held_and_device(config, with_traits(playbook(), grads_held=False))
+    held, device = held_and_device(config, grads_held_profile())
+    plan_held, plan_device = held_and_device(config, grads_held_profile(False))
     grads = 8.03e9 / 4 * 4                 # about the rank's parameters / tp x 4 B, fp32
     assert (held - plan_held > 0.9 * grads) == apart and held >= plan_held
     assert device >= plan_device

@@ -22,8 +22,10 @@ Reading order (each file needs only the ones before it):
     pipeline_sim.py        the pipeline's timeline, simulated from the schedules' own orders
     stage_split.py         which blocks each pipeline stage runs: the engine's equal split, or
                            a profile's trainer's split by each block's compute
+    nanotron_memory.py     nanotron's own memory of a layout, rank by rank, from its source
     trainer_memory.py      a profile's memory of a layout against its GPU: the plan's estimate
-                           scaled to another trainer's runs, with the margin it must leave
+                           scaled to another trainer's runs, or that trainer's own count, with
+                           the margin it must leave
     predict_cache.py       the pieces a search's predictions share, each kept under the knobs
                            it reads
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory

@@ -73,6 +73,8 @@ TRAITS = {
                     "'all_reduce' (nanotron: every rank gets all, keeps its shard)",
     "grads_held": "true: the gradient buffers are held all step even without accumulation "
                   "(nanotron's fp32 accumulator); this project frees them between steps",
+    "memory": "'nanotron': the trainer's memory is nanotron's own count, rank by rank "
+              "(nanotron_memory.py), scaled by the mem_ factors; else the memory plan's",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
     # said, not read: how the trainer differs from this one where a fitted number absorbs it
     "tp_overlap": "whether its tensor-parallel collectives overlap compute",

@@ -36,7 +36,7 @@ from picotron.plan.predict_cache import (cached, cached_memory, compute_key, lay
                                          memory_key, optimizer_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
-from picotron.plan.trainer_memory import fit_of, grads_held_apart, memory_fit
+from picotron.plan.trainer_memory import counts_nanotron, fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
@@ -57,7 +57,11 @@ class Prediction:
 
 def cached_fit(config, profile, cache):
     """memory_fit(config, profile), kept in `cache`, from cached_memory's sums (with the
-    gradient buffers held all step for a trainer that holds them: grads_held_apart)."""
+    gradient buffers held all step for a trainer that holds them: grads_held_apart), or
+    nanotron's own count under its trait (memory_key's knobs are all it reads)."""
+    if counts_nanotron(config, profile):
+        return cached(cache, ("nanotron fit",) + memory_key(config), memory_fit, config,
+                      profile)
     held = grads_held_apart(config, profile)
 
     def fit():

@@ -1,6 +1,8 @@
 """A profile's memory of a layout against its GPU: the memory plan's estimate
 (memory_plan.py), for a profile fit to another trainer's runs scaled by the profile's factors,
-with the logits that trainer keeps and the margin it must leave free.
+with the logits that trainer keeps and the margin it must leave free; for a profile whose
+trait memory = "nanotron", that trainer's own count rank by rank (nanotron_memory.py), its
+parts scaled by the same factors.
 
     memory_fit(config, profile) -> (mem_gib, fits, note)
     fit_of(config, profile, held, device_bytes): the same from the estimate's two totals
@@ -11,14 +13,28 @@ from picotron.config import resolve_auto
 from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_plan import GPU_RESERVED, estimate, has_auto, rank_estimate
 from picotron.plan.memory_state import GiB
+from picotron.plan.nanotron_memory import busiest_need
 
 
 def memory_fit(config, profile):
     """(mem_gib, fits, note) from the memory plan's estimate against the profile's GPU. For a
     profile of another trainer, its memory is the plan's held part and the rest scaled by the
     profile's factors, plus the logits a trainer without a fused loss keeps (mem_logit_bytes
-    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project)."""
+    a logit of the micro-batch's (n, V/tp)) and its extra (1, 1, 0, 0 for this project).
+    Under the trait memory = "nanotron", the busiest rank of nanotron's own count."""
+    if counts_nanotron(config, profile):
+        need, rank = busiest_need(config, profile)
+        return need_fit(need, profile, f" on pipeline rank {rank}")
     return fit_of(config, profile, *held_and_device(config, profile))
+
+
+def counts_nanotron(config, profile) -> bool:
+    """Whether the profile's trainer is nanotron, whose memory nanotron_memory.py counts: its
+    Llama without CP, FP8 or recomputation, as its runs had them ("auto", this project's
+    choice, is none there); a layout that asks for one keeps the plan's rule."""
+    t = config.training
+    return (profile.traits.get("memory") == "nanotron" and config.distributed.cp_size == 1
+            and t.fp8 in ("none", "auto") and t.activation_checkpointing in ("none", "auto"))
 
 
 def held_and_device(config, profile) -> tuple:
@@ -74,10 +90,15 @@ def fit_of(config, profile, held, device_bytes):
     need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
         device_bytes - held) + profile["mem_logit_bytes"] * logits
         + profile["mem_extra_gib"] * GiB)
+    return need_fit(need, profile)
+
+
+def need_fit(need, profile, where: str = ""):
+    """(mem_gib, fits, note) of `need` bytes against the profile's usable memory."""
     # a trainer whose memory the profile predicts only within some error must leave
     # mem_margin of the GPU free to be predicted to fit (0 for this project's own plan)
     usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
     if need <= usable:
         return need / GiB, True, ""
-    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU, the "
+    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU{where}, the "
                                f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
