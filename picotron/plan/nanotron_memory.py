@@ -56,9 +56,10 @@ def layer_bytes(config) -> float:
     return norms + attention + 4 * I * b / tp
 
 
-def rank_blocks(config, profile, pp_rank: int) -> tuple:
-    """(layers, embedding, head) of this rank over its chunks, by the profile's split."""
-    split, pp = stage_split(config, profile), config.distributed.pp_size
+def rank_blocks(config, profile, pp_rank: int, split=None) -> tuple:
+    """(layers, embedding, head) of this rank over its chunks, by the profile's split
+    (`split`: stage_split's, when the caller has it)."""
+    split, pp = split or stage_split(config, profile), config.distributed.pp_size
     mine = split[pp_rank::pp]
     return (sum(s[0] for s in mine), any(s[1] for s in mine), any(s[2] for s in mine))
 
@@ -94,7 +95,8 @@ def rank_need(parts: Parts, profile) -> float:
 
 def busiest_need(config, profile) -> tuple:
     """(bytes, pipeline rank) of the rank that needs the most, the first of equals."""
-    needs = [rank_need(rank_parts(config, profile, r), profile)
-             for r in range(config.distributed.pp_size)]
+    split = stage_split(config, profile)
+    needs = [rank_need(rank_parts(config, profile, r, rank_blocks(config, profile, r, split)),
+                       profile) for r in range(config.distributed.pp_size)]
     need = max(needs)
     return need, needs.index(need)
