@@ -13,6 +13,7 @@ from picotron.plan.memory_plan import estimate
 from picotron.plan.memory_state import GiB, layer_params
 from picotron.plan.nanotron_memory import (busiest_need, layer_bytes, rank_blocks, rank_need,
                                            rank_parts)
+from picotron.plan.step_lanes import rank_memory
 from picotron.plan.step_time import predict
 from picotron.plan.trainer_memory import memory_fit
 
@@ -89,3 +90,15 @@ def test_the_count_is_the_profiles_trait_only():
     assert memory_fit(config, plan)[0] == pytest.approx(
         (estimate(config).device_bytes + 10.0 * logits) / GiB, rel=1e-12)
     assert memory_fit(config, profile)[0] != memory_fit(config, plan)[0]
+
+
+def test_explains_lanes_show_each_ranks_count():
+    config = config_for(LLAMA_8B)
+    profile = load_profile("playbook-h100")
+    lanes = rank_memory(config, profile)
+    for r, m in enumerate(lanes):
+        parts = rank_parts(config, profile, r)
+        assert m.device_bytes == pytest.approx(rank_need(parts, profile), rel=1e-12)
+        assert m.held_bytes == pytest.approx(profile["mem_held_factor"] * parts.held)
+    assert max(m.device_bytes for m in lanes) / GiB == pytest.approx(
+        predict(config, profile, 8).mem_gib, rel=1e-12)

@@ -5,8 +5,9 @@ A lane per pipeline rank, time running right: each micro-batch's forward and bac
 micro-batch's number on it; under the interleaved engine a darker shade for each later chunk),
 the collectives each pass leaves exposed (hatched over its end), the sends to the neighbour (a
 thin strip under the lane), the idle time, and after the last backward the exposed gradient
-reduction and the optimizer. Beside each lane, that rank's memory from the memory plan: what
-it holds the whole step and what its peak adds, against the GPU's usable memory.
+reduction and the optimizer. Beside each lane, that rank's memory from the memory plan (or a
+profile's trainer's own count): what it holds the whole step and what its peak adds, against
+the GPU's usable memory.
 
 Every bar is an event of the step the planner predicts (step_lanes.py reads step_time.predict's
 timeline, which pipeline_sim.py simulates from the schedules' own action lists), so the
@@ -20,6 +21,7 @@ from picotron.plan.memory_plan import GPU_RESERVED
 from picotron.plan.memory_state import GiB
 from picotron.plan.report import layout_name
 from picotron.plan.step_lanes import busy_s, step_lanes
+from picotron.plan.trainer_memory import counts_nanotron
 
 FORWARD = ("#9fc5e8", "#6fa8dc", "#3d85c6", "#0b5394")       # chunk 0, 1, 2, 3+
 BACKWARD = ("#f9cb9c", "#f6b26b", "#e69138", "#b45f06")
@@ -110,8 +112,9 @@ def draw_lanes(ax, lanes, pp: int) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
-def draw_memory(ax, lanes, profile, pp: int) -> None:
-    """Each rank's memory plan: held the whole step, plus what the step's peak adds."""
+def draw_memory(ax, lanes, profile, pp: int, title: str = "memory plan") -> None:
+    """Each rank's memory (step_lanes.rank_memory): held the whole step, plus what the step's
+    peak adds."""
     usable = (profile["memory_gib"] * GiB - GPU_RESERVED) / GiB
     for r, m in enumerate(lanes.memory):
         held, peak = m.held_bytes / GiB, m.peak_bytes / GiB
@@ -124,7 +127,7 @@ def draw_memory(ax, lanes, profile, pp: int) -> None:
     ax.set_ylim(pp - 0.5 + STRIP, -0.5)
     ax.set_yticks([])
     ax.set_xlabel(f"GiB per GPU ({usable:.0f} usable)")
-    ax.set_title("memory plan", fontsize=9)
+    ax.set_title(title, fontsize=9)
 
 
 def draw(config, profile, lanes, out: str) -> str:
@@ -135,7 +138,8 @@ def draw(config, profile, lanes, out: str) -> str:
     fig, (ax, mem) = plt.subplots(1, 2, figsize=(14, 1.9 + 0.55 * pp),
                                   gridspec_kw={"width_ratios": [6, 1]})
     draw_lanes(ax, lanes, pp)
-    draw_memory(mem, lanes, profile, pp)
+    draw_memory(mem, lanes, profile, pp, f"{profile.traits['memory']}'s memory"
+                if counts_nanotron(config, profile) else "memory plan")
     head, numbers = summary(config, profile, lanes).split("\n")
     ax.set_title(f"{head}\n{numbers.split(';')[0]}", fontsize=9, loc="left")
     drawn = {bar.kind for bar in lanes.bars}

@@ -54,8 +54,10 @@ NUMBERS = {
     "micro_s": "host time a micro-batch costs each pipeline stage, forward and backward each "
                "(the engine's Python, its blocking sends' hand-shakes), not hidden by GPU work",
     "mem_held_factor": "the trainer's memory held all step (weights, gradients, optimizer "
-                       "state) over the memory plan's count of it",
-    "mem_act_factor": "the trainer's activation and end-of-step memory over the memory plan's",
+                       "state) over the memory plan's count of it (or the trainer's own count: "
+                       "trait memory)",
+    "mem_act_factor": "the trainer's activation and end-of-step memory over the memory plan's "
+                      "(or the trainer's own count)",
     "mem_logit_bytes": "bytes a trainer without a fused loss keeps per logit of a micro-batch",
     "send_s": "a pipeline send's fixed time beyond its bytes and latency (a blocking send's "
               "hand-shakes)",

@@ -1,7 +1,7 @@
 """One layout's step as lanes, one per pipeline rank: the bars `python -m picotron.plan explain`
 draws, read from step_time.predict's own timeline (the pipeline simulated from the schedules'
 action lists by pipeline_sim.py, then each rank's work after its last backward), and each
-rank's memory from the memory plan. Nothing here times anything again: a bar is an event of
+rank's memory from the memory plan (or the profile's trainer's own count). Nothing here times anything again: a bar is an event of
 that timeline, or the gap between two of them.
 
     step_lanes(config, profile, gpus_per_node) -> Lanes(prediction, bars, memory, v)
@@ -22,8 +22,10 @@ from collections import namedtuple
 
 from picotron.plan.comm_time import Links, layout_groups
 from picotron.plan.memory_plan import rank_estimate
+from picotron.plan.nanotron_memory import rank_need, rank_parts
 from picotron.plan.stage_split import stage_split
 from picotron.plan.step_time import layer_pass, predict
+from picotron.plan.trainer_memory import counts_nanotron
 
 KINDS = ("forward", "backward", "exposed", "send", "idle", "dp", "optimizer")
 Bar = namedtuple("Bar", "rank kind start_s end_s micro chunk")
@@ -58,9 +60,18 @@ def exposed_per_pass(config, profile, gpus_per_node: int) -> dict:
             for kind in per_layer for s, (layers, _, _) in enumerate(stage_split(config, profile))}
 
 
-def rank_memory(config) -> list:
-    """RankMemory of every pipeline rank, from the memory plan's estimate of that rank."""
+def rank_memory(config, profile=None) -> list:
+    """RankMemory of every pipeline rank, from the memory plan's estimate of that rank, or
+    for a profile whose trainer's memory is counted apart (trainer_memory.counts_nanotron)
+    from that count: its held bytes, and what the rank's peak adds, the profile's factors
+    applied (the figure step_time's prediction judges the layout by)."""
     memory = []
+    if profile is not None and counts_nanotron(config, profile):
+        for r in range(config.distributed.pp_size):
+            parts = rank_parts(config, profile, r)
+            held, need = profile["mem_held_factor"] * parts.held, rank_need(parts, profile)
+            memory.append(RankMemory(held, need - held, need))
+        return memory
     for r in range(config.distributed.pp_size):
         e = rank_estimate(config, r)
         held = sum(row.bytes for row in e.rows if row.when == "held")
@@ -106,7 +117,7 @@ def step_lanes(config, profile, gpus_per_node: int = 8) -> Lanes:
     prediction = predict(config, profile, gpus_per_node)
     exposed = exposed_per_pass(config, profile, gpus_per_node)
     bars = step_bars(prediction, config.distributed.pp_size, exposed)
-    return Lanes(prediction, bars, rank_memory(config), virtual_stages(config))
+    return Lanes(prediction, bars, rank_memory(config, profile), virtual_stages(config))
 
 
 def busy_s(bars, rank: int) -> float:
