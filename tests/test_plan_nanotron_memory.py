@@ -15,7 +15,7 @@ from picotron.plan.nanotron_memory import (busiest_need, layer_bytes, rank_block
                                            rank_parts)
 from picotron.plan.step_lanes import rank_memory
 from picotron.plan.step_time import predict
-from picotron.plan.trainer_memory import memory_fit
+from picotron.plan.trainer_memory import counts_nanotron, memory_fit
 
 LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336, vocab=131072,
                 tied=0, seq=4096, gpus=64, gpus_per_node=8, dp=8, tp=2, pp=4, cp=1, zero=1,
@@ -102,3 +102,12 @@ def test_explains_lanes_show_each_ranks_count():
         assert m.held_bytes == pytest.approx(profile["mem_held_factor"] * parts.held)
     assert max(m.device_bytes for m in lanes) / GiB == pytest.approx(
         predict(config, profile, 8).mem_gib, rel=1e-12)
+
+
+@pytest.mark.parametrize("change, counted", [
+    ({}, True), ({"zero": 3}, False), ({"cp": 2, "dp": 4}, False), ({"fp8": "tensorwise"}, False),
+    ({"recompute": "selective"}, False), ({"pp_engine": "interleaved:2", "layers": 32}, False),
+    ({"pp_engine": "afab"}, True), ({"distributed.offload_optim_frac": "0.5"}, False)])
+def test_what_nanotron_does_not_do_keeps_the_plans_rule(change, counted):
+    config = config_for(dict(LLAMA_8B, **change))
+    assert counts_nanotron(config, nanotron()) == counted

@@ -30,11 +30,14 @@ def memory_fit(config, profile):
 
 def counts_nanotron(config, profile) -> bool:
     """Whether the profile's trainer is nanotron, whose memory nanotron_memory.py counts: its
-    Llama without CP, FP8 or recomputation, as its runs had them ("auto", this project's
-    choice, is none there); a layout that asks for one keeps the plan's rule."""
-    t = config.training
-    return (profile.traits.get("memory") == "nanotron" and config.distributed.cp_size == 1
-            and t.fp8 in ("none", "auto") and t.activation_checkpointing in ("none", "auto"))
+    Llama as its runs had it, ZeRO 0 or 1, its AFAB or 1F1B engine, without CP, FP8,
+    recomputation or offload ("auto", this project's choice, is none there); a layout that
+    asks for what nanotron does not do keeps the plan's rule, scaled by the same factors."""
+    t, d = config.training, config.distributed
+    return (profile.traits.get("memory") == "nanotron" and d.cp_size == 1
+            and d.zero_stage <= 1 and d.pp_engine in ("1f1b", "afab")
+            and not d.offload_optim_frac and t.fp8 in ("none", "auto")
+            and t.activation_checkpointing in ("none", "auto"))
 
 
 def held_and_device(config, profile) -> tuple:
