@@ -85,5 +85,7 @@ def test_search_prints_the_table_and_the_refusals(capsys):
     main(["search", "--model_name", "debug", "--gpus", "4", "--seq_len", "64",
           "--global_batch_tokens", "512", "--hardware", "h200", "--top", "3"])
     out = capsys.readouterr().out
-    assert "tok/s/GPU" in out and "\n1 " in out and "\n3 " in out and "\n4 " not in out
+    assert "tok/s/GPU" in out and "\n1* " in out and "\n3* " in out and "\n4" not in out
     assert "layouts fit;" in out and "refused" in out
+    # h200's runs are one GPU's: every layout of 4 is beyond them, and the report says so
+    assert "\n* " in out and "h200 profile was fit to" in out

@@ -72,7 +72,7 @@ def run_search(args):
     result = search(raw, args.gpus, args.global_batch_tokens, profile, args.gpus_per_node)
     print(f"{args.model_name} on {args.gpus} GPUs ({args.gpus_per_node} per node, profile "
           f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step")
-    print(search_report(result, args.top))
+    print(search_report(result, args.top, profile))
     return result
 
 

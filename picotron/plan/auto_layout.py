@@ -12,7 +12,8 @@ the runner-up shares the winner's.
 import sys
 
 from picotron.config import ConfigError
-from picotron.plan.report import describe, runner_up_line
+from picotron.plan.report import (describe, fastest_measured_line, runner_up_line,
+                                  unmeasured_line)
 from picotron.plan.search import LAYOUT_KEYS, search
 
 # create_config.py's flag -> the search's name of the knob it sets
@@ -107,7 +108,7 @@ def nothing_fits(gpus: int, fixed: dict, result) -> str:
 def choose_layout(args, raw: dict) -> dict:
     """`raw` (create_config's config dict) with the fastest predicted layout's knobs set;
     prints the choice and the runner-up to stderr. A ConfigError when nothing fits."""
-    from picotron.plan.hardware import load_profile
+    from picotron.plan.hardware import load_profile, unmeasured
     gpus = planned_gpus(args)
     gpus_per_node = args.gpus_per_node or 8
     profile_name = args.hardware or (ONE_GPU_PROFILE if gpus == 1 else MANY_GPU_PROFILE)
@@ -131,6 +132,10 @@ def choose_layout(args, raw: dict) -> dict:
           f"({result.considered:,} judged in {result.seconds:.1f} s)", file=sys.stderr)
     print(f"chosen: {describe(best.layout)}: {p.tok_s_gpu:,.0f} tok/s/GPU, MFU {p.mfu:.1%}, "
           f"{p.mem_gib:.1f} GiB/GPU", file=sys.stderr)
+    beyond = unmeasured(profile, best.layout)
+    if beyond:
+        print(unmeasured_line(profile, beyond, lead="note: "), file=sys.stderr)
+        print(fastest_measured_line(result.ranked, profile), file=sys.stderr)
     if len(result.ranked) > 1:
         print(runner_up_line(best, result.ranked[1]), file=sys.stderr)
         grid = [best.layout[k] for k in GRID]

@@ -78,6 +78,9 @@ TRAITS = {
     "memory": "'nanotron': the trainer's memory is nanotron's own count, rank by rank "
               "(nanotron_memory.py), scaled by the mem_ factors; else the memory plan's",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
+    "measured": "the layout knobs' values the runs it was fit to had, {knob: [values]} by the "
+                "search's short names; elsewhere its numbers are assumed, and the search and "
+                "--auto_layout say so (unmeasured)",
     # said, not read: how the trainer differs from this one where a fitted number absorbs it
     "tp_overlap": "whether its tensor-parallel collectives overlap compute",
     "pp_sends": "how its pipeline sends meet",
@@ -130,6 +133,17 @@ def load_profile(name: str) -> Profile:
                          f"without a source {unsourced}")
     return Profile(name, data.get("about", ""), numbers,
                    {k: v["source"] for k, v in data["numbers"].items()}, data.get("traits", {}))
+
+
+def unmeasured(profile: Profile, layout: dict) -> list:
+    """The layout's (knob, value) pairs the profile's runs never had (("zero", 3)), by its trait
+    measured; a knob that does not act (pp_engine at pp 1, cp_mode at cp 1, interleave but
+    for the interleaved engine) is not judged."""
+    idle = {"pp_engine": layout.get("pp", 1) == 1, "cp_mode": layout.get("cp", 1) == 1,
+            "interleave": layout.get("pp_engine") != "interleaved"}
+    measured = profile.traits.get("measured", {})
+    return [(knob, layout[knob]) for knob, values in measured.items()
+            if knob in layout and not idle.get(knob) and layout[knob] not in values]
 
 
 def describe(profile: Profile) -> str:

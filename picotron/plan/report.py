@@ -1,7 +1,10 @@
 """What `python -m picotron.plan search` prints: the fastest layouts as a table, each step split
 into compute, exposed communication per axis and pipeline idle, then the refusals counted by
 reason; and the one-line name of a layout that create_config.py's --auto_layout prints.
+A row whose layout the profile's runs never had (hardware.unmeasured) is marked "*": its time
+rests on the profile's assumed numbers there.
 """
+from picotron.plan.hardware import unmeasured
 
 # the step's parts the table shows, by the names step_time.Prediction.parts gives them
 PARTS = ("compute", "dp", "tp", "pp", "cp", "pipeline_idle")
@@ -26,10 +29,10 @@ def describe(layout: dict) -> str:
             f"ZeRO-{layout['zero']}, recompute {layout['recompute']}, fp8 {layout['fp8']}")
 
 
-def row(rank: int, scored) -> tuple:
+def row(rank: int, scored, marked: bool = False) -> tuple:
     layout, p = scored.layout, scored.prediction
     parts = [p.parts.get(name, 0.0) for name in PARTS]
-    return ((str(rank), layout_name(layout), f"{layout['mbs']} x {layout['grad_acc']}",
+    return ((f"{rank}*" if marked else str(rank), layout_name(layout), f"{layout['mbs']} x {layout['grad_acc']}",
              str(layout["zero"]), layout["recompute"], layout["fp8"], f"{p.tok_s_gpu:,.0f}",
              f"{100 * p.mfu:.1f}%", f"{p.mem_gib:.1f}", f"{p.step_s:.3f}")
             + tuple(f"{1e3 * s:,.0f}ms" if s else "-" for s in parts))
@@ -43,16 +46,21 @@ def table(rows: list) -> str:
                      for r in rows)
 
 
-def search_report(result, top: int = 10) -> str:
-    """The top `top` layouts, then what was refused and why (each reason with its first
-    message), then how long the search took."""
+def search_report(result, top: int = 10, profile=None) -> str:
+    """The top `top` layouts (marked where `profile`'s runs never had them), then what was
+    refused and why (each reason with its first message), then how long the search took."""
     lines = []
     fits = len(result.ranked)
     refused = sum(result.refused.values())
     if result.ranked:
-        lines.append(table([HEADER] + [row(i + 1, s)
-                                       for i, s in enumerate(result.ranked[:top])]))
+        shown = result.ranked[:top]
+        beyond = [unmeasured(profile, s.layout) if profile else [] for s in shown]
+        lines.append(table([HEADER] + [row(i + 1, s, bool(b))
+                                       for i, (s, b) in enumerate(zip(shown, beyond))]))
         lines.append("(step parts: compute, exposed communication of each axis, pipeline idle)")
+        if any(beyond):
+            lines.append(unmeasured_line(profile, [k for b in beyond for k in b]))
+            lines.append(fastest_measured_line(result.ranked, profile))
     else:
         lines.append("no layout fits")
     lines.append(f"\n{fits:,} layouts fit; {refused:,} refused:")
@@ -60,6 +68,26 @@ def search_report(result, top: int = 10) -> str:
         lines.append(f"  {count:>9,}  {result.examples[key]}")
     lines.append(f"({result.considered:,} layouts judged in {result.seconds:.1f} s)")
     return "\n".join(lines)
+
+
+def unmeasured_line(profile, pairs: list, lead: str = "* ") -> str:
+    """The footnote of the rows marked "*": each knob once, with its values in the rows."""
+    values = {}
+    for knob, value in pairs:
+        values.setdefault(knob, []).append(str(value))
+    said = "; ".join(f"{knob} {', '.join(dict.fromkeys(v))}" for knob, v in values.items())
+    return (f"{lead}{said}: beyond the runs the {profile.name} profile was fit to; its time "
+            f"there rests on assumed numbers")
+
+
+def fastest_measured_line(ranked: list, profile) -> str:
+    """The fastest layout all of whose knobs the profile's runs had, and its rank."""
+    rank, best = next(((i + 1, s) for i, s in enumerate(ranked)
+                       if not unmeasured(profile, s.layout)), (0, None))
+    if best is None:
+        return f"no layout that fits is within the runs the {profile.name} profile was fit to"
+    return (f"fastest within them: #{rank}, {describe(best.layout)}: "
+            f"{best.prediction.tok_s_gpu:,.0f} tok/s/GPU")
 
 
 def runner_up_line(best, second) -> str:
