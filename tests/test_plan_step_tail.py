@@ -30,14 +30,16 @@ def test_the_embedding_sits_on_the_first_rank(pp, rank, rows):
     assert embedding_rows(config, rank_params(config, rank)) == rows
 
 
-def test_the_embeddings_own_bucket_outlasts_a_long_backward():
-    # a backward far longer than the reduction hides all but the last bucket: the embedding's
-    config = config_for(dict(ROW, tied=0, pp=1, dp=32))
+@pytest.mark.parametrize("zero, scatters", [(0, False), (3, True)])
+def test_the_embeddings_own_bucket_outlasts_a_long_backward(zero, scatters):
+    # a backward far longer than the reduction hides all but the last bucket: the embedding's,
+    # all-reduced, or reduce-scattered (an all-gather's time) where ZeRO-3 shards it
+    config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=zero))
     profile = load_profile("playbook-h100")
     links, groups = Links(profile), layout_groups(config, profile, 8)
     table = embedding_rows(config, rank_params(config, 0))
-    assert tail(config, profile, 0) == pytest.approx(links.all_reduce(table * 4,
-                                                                      groups["cp_dp"]))
+    op = links.all_gather if scatters else links.all_reduce
+    assert tail(config, profile, 0) == pytest.approx(op(table * 4, groups["cp_dp"]))
 
 
 @pytest.mark.parametrize("tied, pp, rank, sums", [(1, 2, 0, True), (1, 2, 1, True),

@@ -47,20 +47,21 @@ def after_backward(config, profile, links, groups, rank, last_backward, first_fo
     params = rank.total
     wire = 4 if d.grad_reduce_dtype == "float32" else 2
     shape = groups["cp_dp"]
-    if d.zero_stage == 0:
-        reduce, gather = links.all_reduce(params * wire, shape), 0.0
-    elif d.zero_stage in (1, 2):          # a trainer may all-reduce what it then shards
-        reduce_scatter = profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter"
-        reduce = (links.all_gather if reduce_scatter else links.all_reduce)(params * wire, shape)
+    # the reduction (a reduce-scatter costs an all-gather's time) and the bytes it reduces
+    # after the backward: ZeRO-3 reduces the layers' part inside their passes
+    op, after, gather = links.all_reduce, params * wire, 0.0
+    if d.zero_stage in (1, 2):            # a trainer may all-reduce what it then shards
+        if profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter":
+            op = links.all_gather
         gather = links.all_gather(params * BF16, shape)
-    else:                                 # ZeRO-3: the layers' part is inside their passes
-        root = rank.root
-        reduce, gather = links.all_gather(root * wire, shape), 0.0
+    elif d.zero_stage == 3:
+        op, after = links.all_gather, rank.root * wire
+    reduce = op(after, shape)
     if d.overlap_grad_reduce:
         # the embedding's gradient comes last (its lookup's backward ends the pass) and fills
         # a bucket of its own when larger than one: its reduction follows the backward
         last = max(d.bucket_size_mb * 2 ** 20, embedding_rows(config, rank) * wire)
-        bucket = links.all_reduce(min(params * wire, last), shape)
+        bucket = op(min(after, last), shape)
         reduce = max(min(bucket, reduce), reduce - last_backward)
     reduce += tied_sum_s(config, links, groups, rank)
     if gather and d.overlap_param_gather and profile.traits.get("zero1_gather_overlap"):
