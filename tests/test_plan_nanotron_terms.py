@@ -131,3 +131,12 @@ def test_held_gradients_memory_reads_the_ranks_that_differ(pp, tied, zero):
         every.append((sums.get("held", 0), sums.get("held", 0) + max(sums.get("forward", 0),
                                                                      sums.get("step", 0))))
     assert grads_held_memory(config) == max(every, key=lambda hd: hd[1])
+
+
+@pytest.mark.parametrize("gpus, dp, waits", [(8, 1, False), (16, 2, True)])
+def test_the_host_waits_only_where_the_pipelines_sends_cross_nodes(gpus, dp, waits):
+    # pp outermost: pp 2 x (dp x cp x tp = 4 or 8) ranks share one node only at 8 GPUs
+    config = config_for(dict(ROW, gpus=gpus, dp=dp, grad_acc=4))
+    quick = predict(config, playbook(intra_latency_pp_s=1e-7, launch_s=1e-6), 8).step_s
+    slow = predict(config, playbook(intra_latency_pp_s=0.05, launch_s=1e-6), 8).step_s
+    assert (slow > quick) == waits and slow >= quick

@@ -28,6 +28,8 @@ Reading order (each file needs only the ones before it):
                            the margin it must leave
     predict_cache.py       the pieces a search's predictions share, each kept under the knobs
                            it reads
+    step_tail.py           a pipeline rank's step after its last backward: the gradients'
+                           exposed reduction, the tied embedding's sum, the optimizer
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     judge.py               the config's verdict on one layout of a search, the config resolved
     search.py              every layout of N GPUs the config accepts, scored and ranked

@@ -42,9 +42,9 @@ NUMBERS = {
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
     "intra_latency_pp_s": "latency of one step of a tensor-parallel collective inside a node "
-                          "on a rank of a pipeline (its sends and receives in flight), s",
+                          "on a rank of a pipeline across nodes (its sends in flight), s",
     "inter_latency_pp_s": "latency of one step of a tensor-parallel collective between nodes "
-                          "on a rank of a pipeline (its sends and receives in flight), s",
+                          "on a rank of a pipeline across nodes (its sends in flight), s",
     "stall_s": "seconds a stalled micro-batch loses, each pipeline stage's forward and "
                "backward each",
     "stall_half_nodes": "the job's nodes at which half the micro-batches stall",

@@ -15,27 +15,30 @@ How a step is put together, following this project's implementation:
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
    the head and loss on the last (or the profile's trainer's split, stage_split.py), plus the
    host's fixed time a micro-batch (`micro_s`) and the stall the job's nodes bring
-   (micro_batch_s); the host's launches, and on a pipeline's rank its waits on each
-   tensor-parallel collective (*_latency_pp_s), bound an eager layer's pass from below (not
-   under CUDA graphs).
+   (micro_batch_s); the host's launches, and on a rank of a pipeline whose sends cross
+   nodes its waits on each tensor-parallel collective (*_latency_pp_s), bound an eager
+   layer's pass from below (not under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
-4. After each rank's last backward: the gradients' reduction over cp x dp (ZeRO-1/2's a
-   reduce-scatter, or the all-reduce of a trainer that shards after it: zero1_reduce), in
-   buckets during that backward (what outlasts it is exposed); ZeRO-1/2's parameter
-   all-gather, waited for block by block in the next forward where the trainer overlaps it;
-   the optimizer's passes, and the host's AdamW for the share offloaded to it.
+4. After each rank's last backward (step_tail.py): the gradients' reduction over cp x dp
+   (ZeRO-1/2's a reduce-scatter, or the all-reduce of a trainer that shards after it:
+   zero1_reduce), in buckets during that backward (what outlasts it is exposed, and the
+   embedding's own bucket, completed last, always is); a tied embedding's sum across the
+   pipeline's ends; ZeRO-1/2's parameter all-gather, waited for block by block in the next
+   forward where the trainer overlaps it; the optimizer's passes, and the host's AdamW for
+   the share offloaded to it.
 """
 import dataclasses
 from collections.abc import Sequence
 
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
-from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
+from picotron.plan.compute_time import ends_time, layer_time
 from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_state import layer_params, rank_params
 from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
-                                         memory_key, optimizer_key)
+                                         memory_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
+from picotron.plan.step_tail import after_backward
 from picotron.plan.trainer_memory import counts_nanotron, fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
@@ -101,10 +104,11 @@ def layer_pass(config, profile, links, groups, cache=None):
     # below; CUDA graphs replay the captured layers with one launch
     launch = 0.0 if config.training.cuda_graphs is True else profile["launch_s"] * (
         profile["fp8_launch_factor"] if config.training.fp8 != "none" else 1.0)
-    # on a pipeline's rank the host also waits out each tensor-parallel collective's ring
-    # steps at the profile's *_latency_pp_s (the GPU's work runs meanwhile)
+    # on a pipeline's rank whose sends cross nodes the host also waits out each
+    # tensor-parallel collective's ring steps at the profile's *_latency_pp_s (the GPU's work
+    # runs meanwhile); a pipeline inside one node does not hold the host back
     wait = 0.0
-    if d.pp_size > 1:
+    if d.pp_size > 1 and groups["pp"][2] > 1:
         wait = tp_layer_s(config, links.pipelined, groups["tp"], tokens) - tp
     return (max(sum(exposed_f.values()), launch + wait),
             max(sum(exposed_b.values()), 2 * launch + wait), exposed_f, exposed_b)
@@ -137,36 +141,6 @@ def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
         forward.append(f)
         backward.append(b)
     return forward, backward, v
-
-
-def after_backward(config, profile, links, groups, rank, last_backward, first_forward,
-                   cache=None):
-    """(dp exposed, optimizer) seconds of one pipeline rank (its Params, rank_params) at the
-    step's end."""
-    d = config.distributed
-    params = rank.total
-    wire = 4 if d.grad_reduce_dtype == "float32" else 2
-    shape = groups["cp_dp"]
-    if d.zero_stage == 0:
-        reduce, gather = links.all_reduce(params * wire, shape), 0.0
-    elif d.zero_stage in (1, 2):          # a trainer may all-reduce what it then shards
-        reduce_scatter = profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter"
-        reduce = (links.all_gather if reduce_scatter else links.all_reduce)(params * wire, shape)
-        gather = links.all_gather(params * BF16, shape)
-    else:                                 # ZeRO-3: the layers' part is inside their passes
-        root = rank.root
-        reduce, gather = links.all_gather(root * wire, shape), 0.0
-    if d.overlap_grad_reduce:
-        bucket = links.all_reduce(min(params * wire, d.bucket_size_mb * 2 ** 20), shape)
-        reduce = max(min(bucket, reduce), reduce - last_backward)
-    if gather and d.overlap_param_gather and profile.traits.get("zero1_gather_overlap"):
-        gather = max(0.0, gather - first_forward)
-    # the offloaded share of AdamW steps on the host after backward, with its copies, not
-    # overlapped with the GPU's work (the offload plug-in steps it serially)
-    shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
-    host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    return reduce + gather, cached(cache, optimizer_key(config, params), optimizer_s, config,
-                                   profile, params) + host
 
 
 def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:

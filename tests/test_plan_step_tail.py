@@ -1,0 +1,65 @@
+"""The step's tail after the last backward, as both trainers run it: the embedding's gradient
+is the last to come and fills a bucket of its own when larger than one, so its reduction
+follows the backward; and a tied embedding under a pipeline is summed across the pipeline's
+two ends. Each is checked against the collective it stands for. CPU only: the model is
+arithmetic."""
+import pytest
+
+from picotron.plan.comm_time import Links, layout_groups
+from picotron.plan.hardware import load_profile
+from picotron.plan.layouts import config_for
+from picotron.plan.memory_state import rank_params
+from picotron.plan.step_tail import after_backward, embedding_rows, tied_sum_s
+
+# a 1B-like shape whose (V, C) table (268M parameters) is far larger than a bucket
+ROW = dict(layers=16, hidden=2048, heads=32, kv_heads=32, ffn=8192, vocab=131072, tied=1,
+           seq=4096, gpus=64, gpus_per_node=8, dp=16, tp=2, pp=2, cp=1, zero=0, mbs=1,
+           grad_acc=8)
+
+
+def tail(config, profile, rank, last_backward=10.0):
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    return after_backward(config, profile, links, groups, rank_params(config, rank),
+                          last_backward, 1.0)[0]
+
+
+@pytest.mark.parametrize("pp, rank, rows", [(1, 0, 131072 // 2 * 2048), (2, 0, 131072 // 2 * 2048),
+                                            (2, 1, 0), (4, 2, 0)])
+def test_the_embedding_sits_on_the_first_rank(pp, rank, rows):
+    config = config_for(dict(ROW, pp=pp, dp=32 // pp))
+    assert embedding_rows(config, rank_params(config, rank)) == rows
+
+
+@pytest.mark.parametrize("zero, scatters", [(0, False), (3, True)])
+def test_the_embeddings_own_bucket_outlasts_a_long_backward(zero, scatters):
+    # a backward far longer than the reduction hides all but the last bucket: the embedding's,
+    # all-reduced, or reduce-scattered (an all-gather's time) where ZeRO-3 shards it
+    config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=zero))
+    profile = load_profile("playbook-h100")
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    table = embedding_rows(config, rank_params(config, 0))
+    op = links.all_gather if scatters else links.all_reduce
+    assert tail(config, profile, 0) == pytest.approx(op(table * 4, groups["cp_dp"]))
+
+
+@pytest.mark.parametrize("tied, pp, rank, sums", [(1, 2, 0, True), (1, 2, 1, True),
+                                                  (1, 4, 1, False), (1, 1, 0, False),
+                                                  (0, 2, 0, False)])
+def test_a_tied_embedding_is_summed_across_the_pipelines_ends(tied, pp, rank, sums):
+    config = config_for(dict(ROW, tied=tied, pp=pp, dp=32 // pp))
+    profile = load_profile("playbook-h100")
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    s = tied_sum_s(config, links, groups, rank_params(config, rank))
+    table = 131072 // 2 * 2048
+    # the two ends are 32 ranks apart: on two nodes, one fp32 table over the link between them
+    assert s == (pytest.approx(links.all_reduce(table * 4, (2, 1, 2))) if sums else 0.0)
+    assert s == 0.0 or s > 2 * links.all_reduce(table * 4, (2, 2, 1))
+
+
+def test_the_tied_sum_crosses_a_node_only_when_the_pipeline_does():
+    config = config_for(dict(ROW, gpus=8, dp=2, tp=2, pp=2, grad_acc=64))
+    profile = load_profile("playbook-h100")
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    table = 131072 // 2 * 2048
+    assert tied_sum_s(config, links, groups, rank_params(config, 1)) == pytest.approx(
+        links.all_reduce(table * 4, (2, 2, 1)))
