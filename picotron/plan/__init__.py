@@ -26,6 +26,8 @@ Reading order (each file needs only the ones before it):
                            scaled to another trainer's runs, with the margin it must leave
     predict_cache.py       the pieces a search's predictions share, each kept under the knobs
                            it reads
+    step_tail.py           what each pipeline rank does after its last backward: the gradients'
+                           reduction, ZeRO's gather, the optimizer
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     judge.py               the config's verdict on one layout of a search, the config resolved
     search.py              every layout of N GPUs the config accepts, scored and ranked

@@ -23,19 +23,20 @@ How a step is put together, following this project's implementation:
    reduce-scatter, or the all-reduce of a trainer that shards after it: zero1_reduce), in
    buckets during that backward (what outlasts it is exposed); ZeRO-1/2's parameter
    all-gather, waited for block by block in the next forward where the trainer overlaps it;
-   the optimizer's passes, and the host's AdamW for the share offloaded to it.
+   the optimizer's passes, and the host's AdamW for the share offloaded to it (step_tail.py).
 """
 import dataclasses
 from collections.abc import Sequence
 
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
-from picotron.plan.compute_time import ends_time, layer_time, optimizer_s
+from picotron.plan.compute_time import ends_time, layer_time
 from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_state import layer_params, rank_params
+from picotron.plan.memory_state import layer_params
 from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
-                                         memory_key, optimizer_key)
+                                         memory_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
+from picotron.plan.step_tail import rank_tails
 from picotron.plan.trainer_memory import fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
@@ -135,36 +136,6 @@ def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
     return forward, backward, v
 
 
-def after_backward(config, profile, links, groups, rank, last_backward, first_forward,
-                   cache=None):
-    """(dp exposed, optimizer) seconds of one pipeline rank (its Params, rank_params) at the
-    step's end."""
-    d = config.distributed
-    params = rank.total
-    wire = 4 if d.grad_reduce_dtype == "float32" else 2
-    shape = groups["cp_dp"]
-    if d.zero_stage == 0:
-        reduce, gather = links.all_reduce(params * wire, shape), 0.0
-    elif d.zero_stage in (1, 2):          # a trainer may all-reduce what it then shards
-        reduce_scatter = profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter"
-        reduce = (links.all_gather if reduce_scatter else links.all_reduce)(params * wire, shape)
-        gather = links.all_gather(params * BF16, shape)
-    else:                                 # ZeRO-3: the layers' part is inside their passes
-        root = rank.root
-        reduce, gather = links.all_gather(root * wire, shape), 0.0
-    if d.overlap_grad_reduce:
-        bucket = links.all_reduce(min(params * wire, d.bucket_size_mb * 2 ** 20), shape)
-        reduce = max(min(bucket, reduce), reduce - last_backward)
-    if gather and d.overlap_param_gather and profile.traits.get("zero1_gather_overlap"):
-        gather = max(0.0, gather - first_forward)
-    # the offloaded share of AdamW steps on the host after backward, with its copies, not
-    # overlapped with the GPU's work (the offload plug-in steps it serially)
-    shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
-    host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    return reduce + gather, cached(cache, optimizer_key(config, params), optimizer_s, config,
-                                   profile, params) + host
-
-
 def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
     """The predicted step of `config` (a Config the config's checks accepted) on `profile`'s
     machines with `gpus_per_node` GPUs a node (module docstring). `cache`: a dict that a
@@ -194,23 +165,6 @@ def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
     return [_after_pipeline(c, profile, before, cached(cache, before[0], simulate,
                                                        *before[0][1:]), cache)
             for c, before in zip(configs, befores)]
-
-
-def _tails(config, profile, links, groups, forward, backward, v, cache):
-    """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
-    whose tail is the longest)."""
-    pp = config.distributed.pp_size
-    ranks = cached(cache, ("rank params", v) + layout_key(config)[:4],
-                   lambda: [rank_params(config, r) for r in range(pp)])
-    tails, alike = [], {}
-    # each rank's chunks, in order; the middle ranks are alike: each kind computed once
-    for inputs in zip(ranks, [sum(backward[r::pp]) for r in range(pp)],
-                      [sum(forward[r::pp]) for r in range(pp)]):
-        if inputs not in alike:         # (the cache holds the whole list: "tails")
-            alike[inputs] = after_backward(config, profile, links, groups, *inputs, cache)
-        tails.append(alike[inputs])
-    longest = [sum(tail) for tail in tails]
-    return tails, longest.index(max(longest))
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
@@ -248,7 +202,7 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     _, links, groups, part_f, part_b, forward, backward, send = before
     micro, v = t.gradient_accumulation_steps, virtual_stages(config)
     tails, tail = cached(cache, ("tails", v) + layout_key(config)[:6] + compute_key(config),
-                         _tails, config, profile, links, groups, forward, backward, v, cache)
+                         rank_tails, config, profile, links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
     layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
