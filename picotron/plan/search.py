@@ -227,8 +227,9 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
         # gives it (from the same estimate), and its step is not timed
         cache = {}
         fitted = [cached_fit(config, profile, cache) for config in configs]
-        timed = iter(predict_many([config for config, (_, fits, _) in zip(configs, fitted)
-                                   if fits], profile, gpus_per_node, cache))
+        kept = [(config, fit) for config, fit in zip(configs, fitted) if fit[1]]
+        timed = iter(predict_many([config for config, _ in kept], profile, gpus_per_node, cache,
+                                  [fit for _, fit in kept]))
         predictions = (next(timed) if fits else Unfit(False, note) for _, fits, note in fitted)
     else:
         predictions = (predict(config, profile, gpus_per_node) for config in configs)

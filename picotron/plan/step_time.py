@@ -146,9 +146,10 @@ def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
     return _after_pipeline(config, profile, before, sim, cache)
 
 
-def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
+def predict_many(configs, profile, gpus_per_node: int, cache: dict, fits=None) -> list:
     """[predict(c, profile, gpus_per_node, cache) for c in configs], the pipeline
-    simulations of one schedule run together (pipeline_sim.simulate_async_batch)."""
+    simulations of one schedule run together (pipeline_sim.simulate_async_batch). `fits`:
+    each config's cached_fit, where the caller has them."""
     befores = [_before_pipeline(c, profile, gpus_per_node, cache) for c in configs]
     batches = {}
     for before in befores:
@@ -163,26 +164,34 @@ def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
                                         [k[6] for k in chunk], [k[7] for k in chunk])
             cache.update(zip(chunk, sims))
     return [_after_pipeline(c, profile, before, cached(cache, before[0], simulate,
-                                                       *before[0][1:]), cache)
-            for c, before in zip(configs, befores)]
+                                                       *before[0][1:]), cache, fit)
+            for c, before, fit in zip(configs, befores, fits or [None] * len(configs))]
+
+
+def _stage_tuples(config, profile, layer_f, layer_b, cache, micro_s):
+    """stage_times with its two lists as tuples (the simulation's key holds them)."""
+    forward, backward, v = stage_times(config, profile, layer_f, layer_b, cache, micro_s)
+    return tuple(forward), tuple(backward), v
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
     """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
-    exposed parts forward and backward, stage times forward and backward, send)."""
+    exposed parts forward and backward, stage times forward and backward, send, layout_key,
+    compute_key, v)."""
     d, t = config.distributed, config.training
     links = cached(cache, ("links",), Links, profile)
-    key = layout_key(config)
+    key, reads = layout_key(config), compute_key(config)
     groups = cached(cache, ("groups",) + key[:4], layout_groups, config, profile, gpus_per_node)
     layer_f, layer_b, part_f, part_b = cached(
-        cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
-        groups, cache)
-    v = virtual_stages(config)
+        cache, ("layer",) + key[:6] + reads, layer_pass, config, profile, links, groups, cache)
+    # the job's nodes: the grid's GPUs over gpus_per_node, the search's gpus_per_node alike
+    micro_s = cached(cache, ("micro_s",) + key[:4], micro_batch_s, config, profile,
+                     gpus_per_node)
     # stage_times reads the layer's times, pp and v, compute_time's ends and micro_s
-    micro_s = micro_batch_s(config, profile, gpus_per_node)
+    v = virtual_stages(config)
     forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
-                                  + compute_key(config), stage_times, config, profile, layer_f,
-                                  layer_b, cache, micro_s)
+                                  + reads, _stage_tuples, config, profile, layer_f, layer_b,
+                                  cache, micro_s)
     micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
@@ -192,17 +201,18 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
         send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
     engine = d.pp_engine if d.pp_size > 1 else "1f1b"
     mode = profile.traits.get("pp_mode", "async")
-    return (("sim", engine, d.pp_size, micro, v, tuple(forward), tuple(backward), send, mode),
-            links, groups, part_f, part_b, forward, backward, send)
+    return (("sim", engine, d.pp_size, micro, v, forward, backward, send, mode),
+            links, groups, part_f, part_b, forward, backward, send, key, reads, v)
 
 
-def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
-    """The step from the simulated pipeline: each rank's tail, the parts, the memory."""
+def _after_pipeline(config, profile, before, sim, cache, fit=None) -> Prediction:
+    """The step from the simulated pipeline: each rank's tail, the parts, the memory (`fit`:
+    its cached_fit, where known)."""
     d, t = config.distributed, config.training
-    _, links, groups, part_f, part_b, forward, backward, send = before
-    micro, v = t.gradient_accumulation_steps, virtual_stages(config)
-    tails, tail = cached(cache, ("tails", v) + layout_key(config)[:6] + compute_key(config),
-                         rank_tails, config, profile, links, groups, forward, backward, v, cache)
+    _, links, groups, part_f, part_b, forward, backward, send, key, reads, v = before
+    micro = t.gradient_accumulation_steps
+    tails, tail = cached(cache, ("tails", v) + key[:6] + reads, rank_tails, config, profile,
+                         links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
     layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
@@ -216,8 +226,8 @@ def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
     parts["pipeline_idle"] = idle - parts["pp"]
     parts["dp"] += tails[tail][0]
     parts["optimizer"] = tails[tail][1]
-    mem, fits, note = (memory_fit(config, profile) if cache is None else
-                       cached_fit(config, profile, cache))
+    mem, fits, note = fit or (memory_fit(config, profile) if cache is None else
+                              cached_fit(config, profile, cache))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
     mfu = tok * flops / profile["peak_bf16_flops"]
