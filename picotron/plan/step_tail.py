@@ -72,15 +72,19 @@ def rank_tails(config, profile, links, groups, forward, backward, v, cache):
     # what rank_collectives reads of layout_key beside the rank's Params: the grid (its
     # cp x dp group), ZeRO, and FP8 and CUDA graphs (optimizer_key's)
     reads = k[:4] + (k[5], k[9], k[14])
-    tails, alike = [], {}
-    # each rank's chunks, in order; the middle ranks are alike: each kind computed once
-    for inputs in zip(ranks, [sum(backward[r::pp]) for r in range(pp)],
-                      [sum(forward[r::pp]) for r in range(pp)]):
-        if inputs not in alike:         # (the cache holds the whole list: "tails")
-            rank, last_backward, first_forward = inputs
+    # each rank's chunks' backward and forward of one micro-batch (one chunk: its stage's)
+    if v == 1:
+        last_backward, first_forward = backward, forward
+    else:
+        last_backward = [sum(backward[r::pp]) for r in range(pp)]
+        first_forward = [sum(forward[r::pp]) for r in range(pp)]
+    tails, before, tail = [], None, None
+    for inputs in zip(ranks, last_backward, first_forward):
+        if inputs != before:            # the middle ranks are alike: computed once
+            rank, last, first = before = inputs
             collectives = cached(cache, ("collectives", rank) + reads, rank_collectives, config,
                                  profile, links, groups, rank, cache)
-            alike[inputs] = after_backward(collectives, last_backward, first_forward)
-        tails.append(alike[inputs])
+            tail = after_backward(collectives, last, first)
+        tails.append(tail)
     longest = [sum(tail) for tail in tails]
     return tails, longest.index(max(longest))

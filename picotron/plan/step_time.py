@@ -217,20 +217,18 @@ def _after_pipeline(config, profile, before, sim, cache, fit=None) -> Prediction
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
     layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
                        profile)[busiest][0]
-    parts = {k: 0.0 for k in PARTS}
-    for name in ("tp", "cp", "dp"):
-        parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
-    parts["compute"] = sim.busy_s[busiest] - parts["tp"] - parts["cp"] - parts["dp"]
+    # the busiest rank's layers' exposed communication, by axis
+    tp, cp, dp = (micro * v * layers_on * (part_f[name] + part_b[name])
+                  for name in ("tp", "cp", "dp"))
     idle = sim.makespan_s - sim.busy_s[busiest]
-    parts["pp"] = min(idle, 2 * (d.pp_size - 1) * send)
-    parts["pipeline_idle"] = idle - parts["pp"]
-    parts["dp"] += tails[tail][0]
-    parts["optimizer"] = tails[tail][1]
+    pp = min(idle, 2 * (d.pp_size - 1) * send)
+    parts = dict(zip(PARTS, (sim.busy_s[busiest] - tp - cp - dp, tp, cp, pp, dp + tails[tail][0],
+                             idle - pp, tails[tail][1])))
     mem, fits, note = fit or (memory_fit(config, profile) if cache is None else
                               cached_fit(config, profile, cache))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
     mfu = tok * flops / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
-                      {k: float(v) for k, v in parts.items()},
+                      {k: float(x) for k, x in parts.items()},
                       Joined(sim.timeline, TailEvents(sim.makespan_s, tails)))
