@@ -94,15 +94,21 @@ def _rank_state_sums(config, params):
     return sums
 
 
-def _activation_sums(config):
-    """Each rank's activation rows summed at "forward", or None (_sums)."""
-    shared = {}         # what the ranks of this config compute alike (activation_rows)
-    sums, of_rows = [], {}          # alike ranks share one list of rows: summed once
+def _activation_sums(config, cache):
+    """Each rank's activation rows summed at "forward", or None (_sums). What activation_rows
+    computes alike (`shared`) is kept for the configs that differ only in grad_acc and the
+    engine, which set no more than each rank's micro-batches in flight (in_flight): with it,
+    each list of rows' sums by the list's id (alike ranks share one list; the dict keeps it)."""
+    k = layout_key(config)
+    shared = cached(cache, ("act shared", virtual_stages(config)) + k[1:4] + (k[6], k[8])
+                    + k[12:14], dict)
+    sums = []
     for r in range(config.distributed.pp_size):
         rows = activation_rows(config, r, shared, described=False)
-        if id(rows) not in of_rows:
-            of_rows[id(rows)] = _sums(rows, ("forward",))
-        sums.append(of_rows[id(rows)])
+        key = ("forward sums", id(rows))
+        if key not in shared:
+            shared[key] = _sums(rows, ("forward",))
+        sums.append(shared[key])
     return None if None in sums else sums
 
 
@@ -122,7 +128,7 @@ def cached_memory(config, cache, grads_held: bool = False) -> tuple:
     k, v = layout_key(config), virtual_stages(config)
     state = cached(cache, ("state", v) + state_key(k), _state_sums, config, v, cache)
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
-                 config)
+                 config, cache)
     if state is None or act is None:        # a row at another part's moment: sum them all
         return None if grads_held else _summed_memory(config)
     graphs, best, alike = config.training.cuda_graphs is True, None, None
