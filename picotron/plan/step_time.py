@@ -175,12 +175,25 @@ def _stage_tuples(config, profile, layer_f, layer_b, cache, micro_s):
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
-    """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
-    exposed parts forward and backward, stage times forward and backward, send, layout_key,
-    compute_key, v)."""
+    """(the simulation's key: ("sim", and simulate's arguments), the layer's exposed parts
+    forward and backward, send, each rank's tail and the longest's (rank_tails), v)."""
+    d, t = config.distributed, config.training
+    key, reads, v = layout_key(config), compute_key(config), virtual_stages(config)
+    part_f, part_b, forward, backward, send, tails = cached(
+        cache, ("pipeline inputs", v) + key[:6] + reads, _pipeline_inputs, config, profile,
+        gpus_per_node, cache, key, reads, v)
+    engine = d.pp_engine if d.pp_size > 1 else "1f1b"
+    mode = profile.traits.get("pp_mode", "async")
+    return (("sim", engine, d.pp_size, t.gradient_accumulation_steps, v, forward, backward,
+             send, mode), part_f, part_b, send, tails, v)
+
+
+def _pipeline_inputs(config, profile, gpus_per_node, cache, key, reads, v):
+    """What the pipeline's simulation and its ranks' tails read of a layout, all but its
+    engine and grad_acc (the keys: layout_key, compute_key, v): (the layer's exposed parts
+    forward and backward, stage times forward and backward, send, rank_tails)."""
     d, t = config.distributed, config.training
     links = cached(cache, ("links",), Links, profile)
-    key, reads = layout_key(config), compute_key(config)
     groups = cached(cache, ("groups",) + key[:4], layout_groups, config, profile, gpus_per_node)
     layer_f, layer_b, part_f, part_b = cached(
         cache, ("layer",) + key[:6] + reads, layer_pass, config, profile, links, groups, cache)
@@ -188,31 +201,25 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
     micro_s = cached(cache, ("micro_s",) + key[:4], micro_batch_s, config, profile,
                      gpus_per_node)
     # stage_times reads the layer's times, pp and v, compute_time's ends and micro_s
-    v = virtual_stages(config)
-    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
+    forward, backward, _ = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
                                   + reads, _stage_tuples, config, profile, layer_f, layer_b,
                                   cache, micro_s)
-    micro = t.gradient_accumulation_steps
     send = 0.0
     if d.pp_size > 1:
         tokens = t.micro_batch_size * t.seq_length // d.cp_size
         act = tokens * config.model.hidden_size * BF16
         act /= d.tp_size if d.sequence_parallel else 1
         send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
-    engine = d.pp_engine if d.pp_size > 1 else "1f1b"
-    mode = profile.traits.get("pp_mode", "async")
-    return (("sim", engine, d.pp_size, micro, v, forward, backward, send, mode),
-            links, groups, part_f, part_b, forward, backward, send, key, reads, v)
+    tails = rank_tails(config, profile, links, groups, forward, backward, v, cache)
+    return part_f, part_b, forward, backward, send, tails
 
 
 def _after_pipeline(config, profile, before, sim, cache, fit=None) -> Prediction:
     """The step from the simulated pipeline: each rank's tail, the parts, the memory (`fit`:
     its cached_fit, where known)."""
     d, t = config.distributed, config.training
-    _, links, groups, part_f, part_b, forward, backward, send, key, reads, v = before
+    _, part_f, part_b, send, (tails, tail), v = before
     micro = t.gradient_accumulation_steps
-    tails, tail = cached(cache, ("tails", v) + key[:6] + reads, rank_tails, config, profile,
-                         links, groups, forward, backward, v, cache)
     step = sim.makespan_s + sum(tails[tail])
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
     layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
