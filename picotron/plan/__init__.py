@@ -30,6 +30,8 @@ Reading order (each file needs only the ones before it):
                            reduction, ZeRO's gather, the optimizer
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     judge.py               the config's verdict on one layout of a search, the config resolved
+    share_work.py          a search's grids shared with a forked second process, where there
+                           is a second core: the same result
     search.py              every layout of N GPUs the config accepts, scored and ranked
     report.py              the search's table of the fastest layouts and its refusals by reason
     score.py               a prediction for each row of a CSV of layouts
