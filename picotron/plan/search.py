@@ -43,8 +43,10 @@ from picotron.plan.share_work import default_processes, share_work
 
 RECOMPUTE = tuple(c for c in CHECKPOINTING if c != "auto")
 # the layouts from which a search shares its grids with a second process by default
-# (share_work.py): below, the fork and the pickles cost about what the second core saves
-SHARED_FROM = 10_000
+# (share_work.py): below, a search takes about a second alone, and on a loaded machine the
+# fork, the pickles and the wait for a core cost about what the second core saves
+# (bench/NOTES.md, "Planner search speed")
+SHARED_FROM = 20_000
 ZERO_STAGES = (0, 1, 2, 3)
 
 
