@@ -124,13 +124,16 @@ def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
     v = virtual_stages(config)
     split = cached(cache, ("stage split", d.pp_size, v), stage_split, config, profile)
     ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
+    (micro_f, micro_b), (embed_f, embed_b), (head_f, head_b) = (
+        ends["micro"], ends["embed"], ends["head"])
     forward, backward = [], []
     for layers, embed, head in split:
-        f = layers * layer_f + ends["micro"][0] + micro_s
-        b = layers * layer_b + ends["micro"][1] + micro_s
-        for end, on in (("embed", embed), ("head", head)):
-            if on:
-                f, b = f + ends[end][0], b + ends[end][1]
+        f = layers * layer_f + micro_f + micro_s
+        b = layers * layer_b + micro_b + micro_s
+        if embed:
+            f, b = f + embed_f, b + embed_b
+        if head:
+            f, b = f + head_f, b + head_b
         forward.append(f)
         backward.append(b)
     return forward, backward, v
