@@ -25,6 +25,8 @@ refused for it, unjudged. tests/test_plan_search.py holds the accepted set to a 
 filter through config_from_dict itself. Each accepted layout is then scored by
 step_time.predict; one that does not fit the GPU's memory is refused with the model's note,
 from its memory alone (step_time.cached_fit: the same estimate), before its step is timed.
+Where the machine has a second core, a large search shares its grids with a forked process
+(share_work.py), each pp's grids in one of the two: the same result, in the same order.
 """
 import functools
 import gc
