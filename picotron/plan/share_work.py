@@ -31,7 +31,7 @@ def default_processes() -> int:
     return 2 if hasattr(os, "fork") and cores() >= 2 else 1
 
 
-def share_work(work, items: list, processes: int, kind=None, weight=None) -> list:
+def share_work(work, items: list, processes: int, kind=None, weight=None) -> tuple:
     """(work(items), 1 or 2): a share of the items' kinds worked through by a forked child
     when `processes` is 2 (module docstring); kind, weight: functions of an item (None: each
     item its own kind, of weight 1)."""
@@ -101,6 +101,6 @@ def _end(child):
     outcomes."""
     try:
         os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
     except OSError:             # the child already gone
         pass
+    os.waitpid(child, 0)
