@@ -2,8 +2,10 @@
 cache keyed by the knobs each reads, the pipeline simulations of one schedule run as one
 batch) predicts exactly what step_time.predict says of each config alone: every row's
 prediction to the last bit, the same refusals counted alike, the same ranking, the same
-timelines. bench/plan_search_speed.py times it."""
+timelines; and a search shared with a forked process gives what one process does.
+bench/plan_search_speed.py times it."""
 import dataclasses
+import os
 
 import pytest
 
@@ -62,3 +64,22 @@ def test_the_fast_path_predicts_what_predict_alone_does(model, seq, gpus, sequen
     for i in range(0, len(fast.ranked), max(1, len(fast.ranked) // 7)):
         assert list(fast.ranked[i].prediction.timeline) == list(
             alone.ranked[i].prediction.timeline)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this system")
+@pytest.mark.parametrize("model, seq, gpus, sequences, profile", [
+    (SMALL, 256, 8, 16, "playbook-h100"), (SMALL, 256, 16, 32, "h200")])
+def test_a_search_shared_with_a_second_process_gives_what_one_process_does(
+        model, seq, gpus, sequences, profile):
+    """The grids dealt by pp between this process and a forked child (share_work.py): the
+    same rows, refusals and timelines, in the same order."""
+    raw, hardware = raw_config(model, seq), load_profile(profile)
+    one = search(raw, gpus, sequences * seq, hardware, gpus_per_node=2, keep_refused=True,
+                 processes=1)
+    two = search(raw, gpus, sequences * seq, hardware, gpus_per_node=2, keep_refused=True,
+                 processes=2)
+    assert (one.processes, two.processes) == (1, 2)
+    assert one.ranked and outcome(two) == outcome(one)
+    for i in range(0, len(one.ranked), max(1, len(one.ranked) // 7)):
+        assert list(two.ranked[i].prediction.timeline) == list(
+            one.ranked[i].prediction.timeline)

@@ -9,7 +9,8 @@ from picotron.plan.comm_time import Links, layout_groups
 from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import config_for
 from picotron.plan.memory_state import rank_params
-from picotron.plan.step_tail import after_backward, embedding_rows, tied_sum_s
+from picotron.plan.step_tail import (after_backward, embedding_rows, rank_collectives,
+                                      tied_sum_s)
 
 # a 1B-like shape whose (V, C) table (268M parameters) is far larger than a bucket
 ROW = dict(layers=16, hidden=2048, heads=32, kv_heads=32, ffn=8192, vocab=131072, tied=1,
@@ -19,8 +20,8 @@ ROW = dict(layers=16, hidden=2048, heads=32, kv_heads=32, ffn=8192, vocab=131072
 
 def tail(config, profile, rank, last_backward=10.0):
     links, groups = Links(profile), layout_groups(config, profile, 8)
-    return after_backward(config, profile, links, groups, rank_params(config, rank),
-                          last_backward, 1.0)[0]
+    collectives = rank_collectives(config, profile, links, groups, rank_params(config, rank))
+    return after_backward(collectives, last_backward, 1.0)[0]
 
 
 @pytest.mark.parametrize("pp, rank, rows", [(1, 0, 131072 // 2 * 2048), (2, 0, 131072 // 2 * 2048),

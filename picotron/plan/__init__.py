@@ -28,10 +28,12 @@ Reading order (each file needs only the ones before it):
                            the margin it must leave
     predict_cache.py       the pieces a search's predictions share, each kept under the knobs
                            it reads
-    step_tail.py           a pipeline rank's step after its last backward: the gradients'
-                           exposed reduction, the tied embedding's sum, the optimizer
+    step_tail.py           what each pipeline rank does after its last backward: the gradients'
+                           reduction, the tied embedding's sum, ZeRO's gather, the optimizer
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     judge.py               the config's verdict on one layout of a search, the config resolved
+    share_work.py          a search's grids shared with a forked second process, where there
+                           is a second core: the same result
     search.py              every layout of N GPUs the config accepts, scored and ranked
     report.py              the search's table of the fastest layouts and its refusals by reason
     score.py               a prediction for each row of a CSV of layouts

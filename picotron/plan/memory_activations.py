@@ -146,8 +146,10 @@ def activation_rows(config, pp_rank: int, shared: dict = None, described: bool =
     tables, the pipeline's hand-offs, on the last stage the final norm and the loss of every
     micro-batch in flight, and the larger of one loss and one layer's backward. `shared`: a
     dict kept over the ranks of one config, for what they compute alike (the layers' bytes,
-    the loss's, one layer's backward). `described` False leaves the rows' formulas '' (a
-    search sums the bytes of thousands and shows none)."""
+    the loss's, one layer's backward, the rows of ranks alike in what they read), or over
+    configs that differ only in grad_acc and pp_engine at one v (their ranks' micro-batches
+    in flight, in the rows' key). `described` False leaves the rows' formulas '' (a search
+    sums the bytes of thousands and shows none)."""
     m, t, d = config.model, config.training, config.distributed
     b, v, C = BYTES[t.dtype], virtual_stages(config), m.hidden_size
     N = t.micro_batch_size * _tokens_t(config)

@@ -94,49 +94,48 @@ def _rank_state_sums(config, params):
     return sums
 
 
-def _activation_sums(config):
-    """Each rank's activation rows summed at "forward", or None (_sums)."""
-    shared = {}         # what the ranks of this config compute alike (activation_rows)
-    sums, of_rows = [], {}          # alike ranks share one list of rows: summed once
+def _activation_sums(config, cache):
+    """Each rank's activation rows summed at "forward", or None (_sums). What activation_rows
+    computes alike (`shared`) is kept for the configs that differ only in grad_acc and the
+    engine, which set no more than each rank's micro-batches in flight (in_flight): with it,
+    each list of rows' sums by the list's id (alike ranks share one list; the dict keeps it)."""
+    k = layout_key(config)
+    shared = cached(cache, ("act shared", virtual_stages(config)) + k[1:4] + (k[6], k[8])
+                    + k[12:14], dict)
+    sums = []
     for r in range(config.distributed.pp_size):
         rows = activation_rows(config, r, shared, described=False)
-        if id(rows) not in of_rows:
-            of_rows[id(rows)] = _sums(rows, ("forward",))
-        sums.append(of_rows[id(rows)])
+        key = ("forward sums", id(rows))
+        if key not in shared:
+            shared[key] = _sums(rows, ("forward",))
+        sums.append(shared[key])
     return None if None in sums else sums
 
 
 def cached_memory(config, cache, grads_held: bool = False) -> tuple:
     """(held bytes, device bytes) of memory_plan.estimate(config), the sums of its
     rank_estimate in its order (the state rows, then the activation rows), each part's sums
-    of every rank cached by the knobs they read (memory_state.py, memory_activations.py).
-    grads_held: with the gradient buffers held all step (trainer_memory.grads_held_memory);
-    None where that needs the whole estimate (a config with "auto", rows off their moments)."""
+    of every rank cached by the knobs they read (memory_state.py, memory_activations.py);
+    the whole is not kept: its key, memory_key, holds nearly every knob (the caller keeps its
+    fit under it). grads_held: with the gradient buffers held all step
+    (trainer_memory.grads_held_memory); None where that needs the whole estimate (a config
+    with "auto", rows off their moments)."""
     if has_auto(config):
         if grads_held:
             return None             # the caller's own estimate (trainer_memory.memory_fit)
         e = estimate(config)
         return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
-    return cached(cache, memory_key(config) + (grads_held,), _memory, config, cache, grads_held)
-
-
-def memory_key(config) -> tuple:
-    """What the memory's rows read of layout_key: all but cp_mode (the parts' keys below);
-    "auto" options (has_auto) as given, which the search's base config resolves alike."""
-    k = layout_key(config)
-    return ("memory",) + k[:4] + k[5:]
-
-
-def _memory(config, cache, grads_held) -> tuple:
-    """cached_memory of a config without "auto"."""
     k, v = layout_key(config), virtual_stages(config)
     state = cached(cache, ("state", v) + state_key(k), _state_sums, config, v, cache)
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
-                 config)
+                 config, cache)
     if state is None or act is None:        # a row at another part's moment: sum them all
         return None if grads_held else _summed_memory(config)
-    graphs, best = config.training.cuda_graphs is True, None
+    graphs, best, alike = config.training.cuda_graphs is True, None, None
     for s, a in zip(state, act):            # the first rank of the largest, as estimate's max
+        if alike is not None and s is alike[0] and a is alike[1]:
+            continue            # the rank before's sums (the middle ranks'): no larger
+        alike = s, a
         held, forward, step = s["held"], a["forward"], s["step"]
         if grads_held:
             held, step = held + s["grads at step"], step - s["grads at step"]
@@ -145,6 +144,14 @@ def _memory(config, cache, grads_held) -> tuple:
         if best is None or device > best[1]:
             best = (held, device)
     return best
+
+
+def memory_key(config) -> tuple:
+    """What the memory's rows read of layout_key: all but cp_mode (the parts' keys in
+    cached_memory); "auto" options (has_auto) as given, which the search's base config
+    resolves alike."""
+    k = layout_key(config)
+    return ("memory",) + k[:4] + k[5:]
 
 
 def _summed_memory(config) -> tuple:

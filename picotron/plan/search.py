@@ -25,12 +25,14 @@ refused for it, unjudged. tests/test_plan_search.py holds the accepted set to a 
 filter through config_from_dict itself. Each accepted layout is then scored by
 step_time.predict; one that does not fit the GPU's memory is refused with the model's note,
 from its memory alone (step_time.cached_fit: the same estimate), before its step is timed.
+Where the machine has a second core, a large search shares its grids with a forked process
+(share_work.py), each pp's grids in one of the two: the same result, in the same order.
 """
 import functools
 import gc
 import re
 import time
-from collections import Counter, namedtuple
+from collections import Counter
 from dataclasses import dataclass, field
 
 from picotron.config import Config, ConfigError, config_from_dict
@@ -39,8 +41,14 @@ from picotron.config.presets import resolve_model
 from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES
 from picotron.plan.judge import LAYOUT_KEYS, grid_verdict, judge, knobs_in_range
 from picotron.plan.layouts import node_refusal
+from picotron.plan.share_work import default_processes, share_work
 
 RECOMPUTE = tuple(c for c in CHECKPOINTING if c != "auto")
+# the layouts from which a search shares its grids with a second process by default
+# (share_work.py): below, a search takes about a second alone, and on a loaded machine the
+# fork, the pickles and the wait for a core cost about what the second core saves
+# (bench/NOTES.md, "Planner search speed")
+SHARED_FROM = 20_000
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -48,10 +56,6 @@ ZERO_STAGES = (0, 1, 2, 3)
 class Scored:
     layout: dict            # short name -> value, every knob of LAYOUT_KEYS
     prediction: object      # step_time.Prediction
-
-
-# a layout's outcome where memory alone refuses it: as a Prediction's fits and note
-Unfit = namedtuple("Unfit", "fits note")
 
 
 @dataclass
@@ -62,6 +66,7 @@ class SearchResult:
     considered: int         # candidates judged
     seconds: float = 0.0
     refused_layouts: list = field(default_factory=list)   # (layout, message), when kept
+    processes: int = 1      # that judged and scored them (share_work.py)
 
 
 def divisors(n: int) -> list:
@@ -157,12 +162,16 @@ def search_raw(model_name: str, seq_len: int, overrides=()) -> dict:
 
 
 def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_node: int = 8,
-           fixed: dict = None, predict=None, keep_refused: bool = False) -> SearchResult:
+           fixed: dict = None, predict=None, keep_refused: bool = False,
+           processes: int = None) -> SearchResult:
     """Judge and score every layout of `gpus` GPUs for the config `raw` (a config dict: its
     model, seq_length and any other key the user set; the layout's knobs are overwritten).
     `fixed`: knobs given by the user (short names), kept as given. `predict`: the step-time
     model, predict(config, profile, gpus_per_node) -> Prediction (default: step_time.predict,
-    through step_time.predict_many: the same predictions, sharing their common pieces)."""
+    through step_time.predict_many: the same predictions, sharing their common pieces).
+    `processes`: 1, or 2 to share the grids with a forked process (share_work.py: the same
+    result); None: 2 where the machine lets this process run on two cores and there are
+    SHARED_FROM layouts or more."""
     start = time.perf_counter()
     # a search makes some hundred thousand objects that live until it ends: the cyclic
     # collector's passes over them (a quarter of its time) would free next to nothing
@@ -170,7 +179,7 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
     gc.disable()
     try:
         result = _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predict,
-                         keep_refused)
+                         keep_refused, processes)
     finally:
         if collecting:
             gc.enable()
@@ -179,7 +188,7 @@ def search(raw: dict, gpus: int, global_batch_tokens: int, profile, gpus_per_nod
 
 
 def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predict,
-            keep_refused) -> SearchResult:
+            keep_refused, processes) -> SearchResult:
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(LAYOUT_KEYS))
     if unknown:
@@ -198,28 +207,59 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
     sequences = global_sequences(global_batch_tokens, base.training.seq_length)
     defaults = {"cp_mode": d.cp_mode, "pp_engine": d.pp_engine, "interleave": d.pp_virtual_stages}
     result = SearchResult([], Counter(), {}, 0)
+    layers, fp8 = base.model.num_hidden_layers, fp8_options(profile)
 
-    def refuse(layout, message):
-        key = reason(message)
-        result.refused[key] += 1
-        result.examples.setdefault(key, message)
-        if keep_refused:
-            result.refused_layouts.append((layout, message))
-    layers = base.model.num_hidden_layers
-    judged = []             # (layout, resolved Config or None, the refusal or '')
-    for grid, why_not in grid_layouts(gpus, sequences, fixed, defaults, gpus_per_node):
-        if why_not:
-            judged.append((grid, None, why_not))
-            continue
-        layouts = list(subtree(grid, sequences, layers, fp8_options(profile), fixed, defaults))
-        verdict = grid_verdict(base, layouts, gpus)
-        in_range = not verdict and knobs_in_range(layouts)
-        for layout in layouts:
-            result.considered += 1
-            config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus,
-                                                                     in_range)
-            judged.append((layout, config, errors[0] if errors else ""))
-    # every accepted layout scored, then each judged layout's outcome in the order judged
+    def score_grids(grids: list) -> list:
+        """[(layouts judged, [(layout, its Prediction, or why it was refused)])] of each
+        (grid, why not, its layouts) of `grids`, the layouts in their order."""
+        judged = []             # (layout, resolved Config or None, the refusal or '')
+        counts = []
+        for grid, why_not, layouts in grids:
+            if why_not:
+                judged.append((grid, None, why_not))
+                counts.append((0, 1))
+                continue
+            verdict = grid_verdict(base, layouts, gpus)
+            in_range = not verdict and knobs_in_range(layouts)
+            for layout in layouts:
+                config, errors = (None, [verdict]) if verdict else judge(base, layout, gpus,
+                                                                         in_range)
+                judged.append((layout, config, errors[0] if errors else ""))
+            counts.append((len(layouts), len(layouts)))
+        outcomes = iter([(layout, message if config is None else prediction)
+                         for (layout, config, message), prediction in zip(
+                             judged, _predictions(judged, profile, gpus_per_node, predict))])
+        return [(considered, [next(outcomes) for _ in range(n)]) for considered, n in counts]
+    # every layout judged and scored, grid by grid, shared with a second process where there
+    # is one; then each judged layout's outcome counted in the order judged
+    grids = [(grid, why_not, [] if why_not else list(subtree(grid, sequences, layers, fp8,
+                                                              fixed, defaults)))
+             for grid, why_not in grid_layouts(gpus, sequences, fixed, defaults, gpus_per_node)]
+    if processes is None:       # a second process where it can pay for its fork and pickles
+        processes = default_processes() if sum(len(g[2]) for g in grids) >= SHARED_FROM else 1
+    # the grids of one pp share their pipelines' schedules: they stay in one process
+    scored, result.processes = share_work(score_grids, grids, processes,
+                                          kind=lambda item: item[0]["pp"],
+                                          weight=lambda item: 1 + len(item[2]))
+    for considered, outcomes in scored:
+        result.considered += considered
+        for layout, outcome in outcomes:
+            if isinstance(outcome, str):
+                key = reason(outcome)
+                result.refused[key] += 1
+                result.examples.setdefault(key, outcome)
+                if keep_refused:
+                    result.refused_layouts.append((layout, outcome))
+            else:
+                result.ranked.append(Scored(layout, outcome))
+    # fastest first; of two as fast, the one that needs less memory
+    result.ranked.sort(key=lambda s: (-s.prediction.tok_s_gpu, s.prediction.mem_gib))
+    return result
+
+
+def _predictions(judged: list, profile, gpus_per_node: int, predict) -> list:
+    """The Prediction of each accepted layout of `judged` [(layout, Config or None, ...)],
+    or for one that does not fit, its note; None for each refused one."""
     configs = [config for _, config, _ in judged if config is not None]
     if predict is None:     # the model, the pieces layouts share computed once
         from picotron.plan.step_time import cached_fit, predict_many
@@ -227,20 +267,18 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
         # gives it (from the same estimate), and its step is not timed
         cache = {}
         fitted = [cached_fit(config, profile, cache) for config in configs]
-        timed = iter(predict_many([config for config, (_, fits, _) in zip(configs, fitted)
-                                   if fits], profile, gpus_per_node, cache))
-        predictions = (next(timed) if fits else Unfit(False, note) for _, fits, note in fitted)
+        kept = [(config, fit) for config, fit in zip(configs, fitted) if fit[1]]
+        timed = iter(predict_many([config for config, _ in kept], profile, gpus_per_node, cache,
+                                  [fit for _, fit in kept]))
+        scored = [next(timed) if fits else note for _, fits, note in fitted]
     else:
-        predictions = (predict(config, profile, gpus_per_node) for config in configs)
-    for layout, config, message in judged:
-        if config is None:
-            refuse(layout, message)
-            continue
-        prediction = next(predictions)
-        if not prediction.fits:
-            refuse(layout, prediction.note or "does not fit")
-            continue
-        result.ranked.append(Scored(layout, prediction))
-    # fastest first; of two as fast, the one that needs less memory
-    result.ranked.sort(key=lambda s: (-s.prediction.tok_s_gpu, s.prediction.mem_gib))
-    return result
+        scored = [predict(config, profile, gpus_per_node) for config in configs]
+    scored = iter([_outcome(s) for s in scored])
+    return [None if config is None else next(scored) for _, config, _ in judged]
+
+
+def _outcome(scored):
+    """A Prediction that fits, else why not: a refusal's note (predict's, or the memory's)."""
+    if isinstance(scored, str):
+        return scored or "does not fit"
+    return scored if scored.fits else scored.note or "does not fit"

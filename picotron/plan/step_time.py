@@ -33,12 +33,12 @@ from collections.abc import Sequence
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time
 from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_state import layer_params, rank_params
+from picotron.plan.memory_state import layer_params
 from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
                                          memory_key)
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
-from picotron.plan.step_tail import after_backward
+from picotron.plan.step_tail import rank_tails
 from picotron.plan.trainer_memory import counts_nanotron, fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
@@ -131,13 +131,16 @@ def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
     v = virtual_stages(config)
     split = cached(cache, ("stage split", d.pp_size, v), stage_split, config, profile)
     ends = cached(cache, ("ends",) + compute_key(config), ends_time, config, profile)
+    (micro_f, micro_b), (embed_f, embed_b), (head_f, head_b) = (
+        ends["micro"], ends["embed"], ends["head"])
     forward, backward = [], []
     for layers, embed, head in split:
-        f = layers * layer_f + ends["micro"][0] + micro_s
-        b = layers * layer_b + ends["micro"][1] + micro_s
-        for end, on in (("embed", embed), ("head", head)):
-            if on:
-                f, b = f + ends[end][0], b + ends[end][1]
+        f = layers * layer_f + micro_f + micro_s
+        b = layers * layer_b + micro_b + micro_s
+        if embed:
+            f, b = f + embed_f, b + embed_b
+        if head:
+            f, b = f + head_f, b + head_b
         forward.append(f)
         backward.append(b)
     return forward, backward, v
@@ -153,9 +156,10 @@ def predict(config, profile, gpus_per_node: int, cache=None) -> Prediction:
     return _after_pipeline(config, profile, before, sim, cache)
 
 
-def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
+def predict_many(configs, profile, gpus_per_node: int, cache: dict, fits=None) -> list:
     """[predict(c, profile, gpus_per_node, cache) for c in configs], the pipeline
-    simulations of one schedule run together (pipeline_sim.simulate_async_batch)."""
+    simulations of one schedule run together (pipeline_sim.simulate_async_batch). `fits`:
+    each config's cached_fit, where the caller has them."""
     befores = [_before_pipeline(c, profile, gpus_per_node, cache) for c in configs]
     batches = {}
     for before in befores:
@@ -170,81 +174,78 @@ def predict_many(configs, profile, gpus_per_node: int, cache: dict) -> list:
                                         [k[6] for k in chunk], [k[7] for k in chunk])
             cache.update(zip(chunk, sims))
     return [_after_pipeline(c, profile, before, cached(cache, before[0], simulate,
-                                                       *before[0][1:]), cache)
-            for c, before in zip(configs, befores)]
+                                                       *before[0][1:]), cache, fit)
+            for c, before, fit in zip(configs, befores, fits or [None] * len(configs))]
 
 
-def _tails(config, profile, links, groups, forward, backward, v, cache):
-    """([(dp exposed, optimizer) of each pipeline rank after its last backward], the rank
-    whose tail is the longest)."""
-    pp = config.distributed.pp_size
-    ranks = cached(cache, ("rank params", v) + layout_key(config)[:4],
-                   lambda: [rank_params(config, r) for r in range(pp)])
-    tails, alike = [], {}
-    # each rank's chunks, in order; the middle ranks are alike: each kind computed once
-    for inputs in zip(ranks, [sum(backward[r::pp]) for r in range(pp)],
-                      [sum(forward[r::pp]) for r in range(pp)]):
-        if inputs not in alike:         # (the cache holds the whole list: "tails")
-            alike[inputs] = after_backward(config, profile, links, groups, *inputs, cache)
-        tails.append(alike[inputs])
-    longest = [sum(tail) for tail in tails]
-    return tails, longest.index(max(longest))
+def _stage_tuples(config, profile, layer_f, layer_b, cache, micro_s):
+    """stage_times with its two lists as tuples (the simulation's key holds them)."""
+    forward, backward, v = stage_times(config, profile, layer_f, layer_b, cache, micro_s)
+    return tuple(forward), tuple(backward), v
 
 
 def _before_pipeline(config, profile, gpus_per_node, cache):
-    """(the simulation's key: ("sim", and simulate's arguments), links, groups, the layer's
-    exposed parts forward and backward, stage times forward and backward, send)."""
+    """(the simulation's key: ("sim", and simulate's arguments), the layer's exposed parts
+    forward and backward, send, each rank's tail and the longest's (rank_tails), v)."""
+    d, t = config.distributed, config.training
+    key, reads, v = layout_key(config), compute_key(config), virtual_stages(config)
+    part_f, part_b, forward, backward, send, tails = cached(
+        cache, ("pipeline inputs", v) + key[:6] + reads, _pipeline_inputs, config, profile,
+        gpus_per_node, cache, key, reads, v)
+    engine = d.pp_engine if d.pp_size > 1 else "1f1b"
+    mode = profile.traits.get("pp_mode", "async")
+    return (("sim", engine, d.pp_size, t.gradient_accumulation_steps, v, forward, backward,
+             send, mode), part_f, part_b, send, tails, v)
+
+
+def _pipeline_inputs(config, profile, gpus_per_node, cache, key, reads, v):
+    """What the pipeline's simulation and its ranks' tails read of a layout, all but its
+    engine and grad_acc (the keys: layout_key, compute_key, v): (the layer's exposed parts
+    forward and backward, stage times forward and backward, send, rank_tails)."""
     d, t = config.distributed, config.training
     links = cached(cache, ("links",), Links, profile)
-    key = layout_key(config)
     groups = cached(cache, ("groups",) + key[:4], layout_groups, config, profile, gpus_per_node)
     layer_f, layer_b, part_f, part_b = cached(
-        cache, ("layer",) + key[:6] + compute_key(config), layer_pass, config, profile, links,
-        groups, cache)
-    v = virtual_stages(config)
+        cache, ("layer",) + key[:6] + reads, layer_pass, config, profile, links, groups, cache)
+    # the job's nodes: the grid's GPUs over gpus_per_node, the search's gpus_per_node alike
+    micro_s = cached(cache, ("micro_s",) + key[:4], micro_batch_s, config, profile,
+                     gpus_per_node)
     # stage_times reads the layer's times, pp and v, compute_time's ends and micro_s
-    micro_s = micro_batch_s(config, profile, gpus_per_node)
-    forward, backward, v = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
-                                  + compute_key(config), stage_times, config, profile, layer_f,
-                                  layer_b, cache, micro_s)
-    micro = t.gradient_accumulation_steps
+    forward, backward, _ = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
+                                  + reads, _stage_tuples, config, profile, layer_f, layer_b,
+                                  cache, micro_s)
     send = 0.0
     if d.pp_size > 1:
         tokens = t.micro_batch_size * t.seq_length // d.cp_size
         act = tokens * config.model.hidden_size * BF16
         act /= d.tp_size if d.sequence_parallel else 1
         send = links.send(act, across_nodes=groups["pp"][2] > 1) + profile["send_s"]
-    engine = d.pp_engine if d.pp_size > 1 else "1f1b"
-    mode = profile.traits.get("pp_mode", "async")
-    return (("sim", engine, d.pp_size, micro, v, tuple(forward), tuple(backward), send, mode),
-            links, groups, part_f, part_b, forward, backward, send)
+    tails = rank_tails(config, profile, links, groups, forward, backward, v, cache)
+    return part_f, part_b, forward, backward, send, tails
 
 
-def _after_pipeline(config, profile, before, sim, cache) -> Prediction:
-    """The step from the simulated pipeline: each rank's tail, the parts, the memory."""
+def _after_pipeline(config, profile, before, sim, cache, fit=None) -> Prediction:
+    """The step from the simulated pipeline: each rank's tail, the parts, the memory (`fit`:
+    its cached_fit, where known)."""
     d, t = config.distributed, config.training
-    _, links, groups, part_f, part_b, forward, backward, send = before
-    micro, v = t.gradient_accumulation_steps, virtual_stages(config)
-    tails, tail = cached(cache, ("tails", v) + layout_key(config)[:6] + compute_key(config),
-                         _tails, config, profile, links, groups, forward, backward, v, cache)
+    _, part_f, part_b, send, (tails, tail), v = before
+    micro = t.gradient_accumulation_steps
     step = sim.makespan_s + sum(tails[tail])
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
     layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
                        profile)[busiest][0]
-    parts = {k: 0.0 for k in PARTS}
-    for name in ("tp", "cp", "dp"):
-        parts[name] = micro * v * layers_on * (part_f[name] + part_b[name])
-    parts["compute"] = sim.busy_s[busiest] - parts["tp"] - parts["cp"] - parts["dp"]
+    # the busiest rank's layers' exposed communication, by axis
+    tp, cp, dp = (micro * v * layers_on * (part_f[name] + part_b[name])
+                  for name in ("tp", "cp", "dp"))
     idle = sim.makespan_s - sim.busy_s[busiest]
-    parts["pp"] = min(idle, 2 * (d.pp_size - 1) * send)
-    parts["pipeline_idle"] = idle - parts["pp"]
-    parts["dp"] += tails[tail][0]
-    parts["optimizer"] = tails[tail][1]
-    mem, fits, note = (memory_fit(config, profile) if cache is None else
-                       cached_fit(config, profile, cache))
+    pp = min(idle, 2 * (d.pp_size - 1) * send)
+    parts = dict(zip(PARTS, (sim.busy_s[busiest] - tp - cp - dp, tp, cp, pp, dp + tails[tail][0],
+                             idle - pp, tails[tail][1])))
+    mem, fits, note = fit or (memory_fit(config, profile) if cache is None else
+                              cached_fit(config, profile, cache))
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
     mfu = tok * flops / profile["peak_bf16_flops"]
     return Prediction(float(step), float(tok), float(mfu), mem, fits, note,
-                      {k: float(v) for k, v in parts.items()},
+                      {k: float(x) for k, x in parts.items()},
                       Joined(sim.timeline, TailEvents(sim.makespan_s, tails)))
