@@ -105,7 +105,8 @@ def test_pipeline_arithmetic_matches_the_schedules_and_the_split():
     (uneven splits included)."""
     for engine, pp, m, v, layers in [("afab", 4, 6, 1, 10), ("1f1b", 4, 6, 1, 10),
                                      ("1f1b", 4, 2, 1, 7), ("interleaved", 2, 4, 2, 12),
-                                     ("interleaved", 4, 8, 2, 16), ("interleaved", 2, 2, 3, 12)]:
+                                     ("interleaved", 4, 8, 2, 16), ("interleaved", 2, 2, 3, 12),
+                                     ("interleaved", 4, 8, 1, 16), ("interleaved", 3, 6, 1, 9)]:
         cfg = config({"distributed.pp_size": pp, "distributed.pp_engine": engine,
                       "distributed.pp_virtual_stages": v, "model.num_hidden_layers": layers,
                       "training.gradient_accumulation_steps": m})

@@ -60,14 +60,16 @@ def in_flight(config, pp_rank: int) -> int:
     """Micro-batches (chunk-micro-batches when interleaved) whose activations this rank holds
     at once: schedules.py's peak_alive in closed form. One without a pipeline (each
     micro-batch's backward runs before the next forward); afab: all m; 1f1b and interleaved:
-    the warm-up forwards plus one, at most all of them."""
+    the warm-up forwards plus one, at most all of them (the interleaved engine warms up twice
+    1F1B's transfers, at one chunk a rank too: its order fills each round trip with forwards)."""
     d, m = config.distributed, config.training.gradient_accumulation_steps
     if d.pp_size == 1:
         return 1
     if d.pp_engine == "afab":
         return m
     v = virtual_stages(config)
-    warmup = (d.pp_size - pp_rank - 1) * (2 if v > 1 else 1) + (v - 1) * d.pp_size
+    trips = 2 if d.pp_engine == "interleaved" else 1
+    warmup = (d.pp_size - pp_rank - 1) * trips + (v - 1) * d.pp_size
     return min(warmup + 1, m * v)
 
 
