@@ -73,6 +73,9 @@ TRAITS = {
                 "by each block's FLOPs, stage_split.py); else this project's equal layers",
     "zero1_reduce": "how ZeRO-1/2 reduce the gradients: 'reduce_scatter' (this project) or "
                     "'all_reduce' (nanotron: every rank gets all, keeps its shard)",
+    "ddp_recv_stall": "the least micro-batches a step from which a ZeRO-0 pipeline with dp > 1 "
+                      "(nanotron: under torch DDP) whose sends cross nodes waits stall_s on "
+                      "each receive (ddp_stall.py); absent or 0: never",
     "grads_held": "true: the gradient buffers are held all step even without accumulation "
                   "(nanotron's fp32 accumulator); this project frees them between steps",
     "memory": "'nanotron': the trainer's memory is nanotron's own count, rank by rank "

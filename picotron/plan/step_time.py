@@ -15,7 +15,8 @@ How a step is put together, following this project's implementation:
 2. Each virtual stage's forward and backward: its layers, plus the embedding on the first and
    the head and loss on the last (or the profile's trainer's split, stage_split.py), plus the
    host's fixed time a micro-batch (`micro_s`) and the stall the job's nodes bring
-   (micro_batch_s); the host's launches, and on a rank of a pipeline whose sends cross
+   (micro_batch_s), and on a stage that receives, a trainer's wait there (ddp_stall.py);
+   the host's launches, and on a rank of a pipeline whose sends cross
    nodes its waits on each tensor-parallel collective (*_latency_pp_s), bound an eager
    layer's pass from below (not under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 
 from picotron.plan.comm_time import BF16, Links, cp_layer_s, layout_groups, tp_layer_s
 from picotron.plan.compute_time import ends_time, layer_time
+from picotron.plan.ddp_stall import ddp_recv_stall_s, stalls_by_micro_batches
 from picotron.plan.memory_activations import virtual_stages
 from picotron.plan.memory_state import layer_params
 from picotron.plan.predict_cache import (cached, cached_memory, compute_key, layout_key,
@@ -123,9 +125,10 @@ def micro_batch_s(config, profile, gpus_per_node: int) -> float:
     return profile["micro_s"] + profile["stall_s"] * x / (1 + x)
 
 
-def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
+def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None, recv_s=0.0):
     """forward_s[s], backward_s[s] of every virtual stage for one micro-batch; `micro_s`:
-    micro_batch_s (the profile's micro_s alone when None)."""
+    micro_batch_s (the profile's micro_s alone when None); `recv_s`: ddp_recv_stall_s, the
+    wait of each pass that receives from another stage."""
     d = config.distributed
     micro_s = profile["micro_s"] if micro_s is None else micro_s
     v = virtual_stages(config)
@@ -134,9 +137,9 @@ def stage_times(config, profile, layer_f, layer_b, cache=None, micro_s=None):
     (micro_f, micro_b), (embed_f, embed_b), (head_f, head_b) = (
         ends["micro"], ends["embed"], ends["head"])
     forward, backward = [], []
-    for layers, embed, head in split:
-        f = layers * layer_f + micro_f + micro_s
-        b = layers * layer_b + micro_b + micro_s
+    for i, (layers, embed, head) in enumerate(split):
+        f = layers * layer_f + micro_f + micro_s + (recv_s if i > 0 else 0.0)
+        b = layers * layer_b + micro_b + micro_s + (recv_s if i < len(split) - 1 else 0.0)
         if embed:
             f, b = f + embed_f, b + embed_b
         if head:
@@ -178,9 +181,10 @@ def predict_many(configs, profile, gpus_per_node: int, cache: dict, fits=None) -
             for c, before, fit in zip(configs, befores, fits or [None] * len(configs))]
 
 
-def _stage_tuples(config, profile, layer_f, layer_b, cache, micro_s):
+def _stage_tuples(config, profile, layer_f, layer_b, cache, micro_s, recv_s):
     """stage_times with its two lists as tuples (the simulation's key holds them)."""
-    forward, backward, v = stage_times(config, profile, layer_f, layer_b, cache, micro_s)
+    forward, backward, v = stage_times(config, profile, layer_f, layer_b, cache, micro_s,
+                                       recv_s)
     return tuple(forward), tuple(backward), v
 
 
@@ -190,7 +194,8 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
     d, t = config.distributed, config.training
     key, reads, v = layout_key(config), compute_key(config), virtual_stages(config)
     part_f, part_b, forward, backward, send, tails = cached(
-        cache, ("pipeline inputs", v) + key[:6] + reads, _pipeline_inputs, config, profile,
+        cache, ("pipeline inputs", v, stalls_by_micro_batches(config, profile)) + key[:6]
+        + reads, _pipeline_inputs, config, profile,
         gpus_per_node, cache, key, reads, v)
     engine = d.pp_engine if d.pp_size > 1 else "1f1b"
     mode = profile.traits.get("pp_mode", "async")
@@ -200,7 +205,8 @@ def _before_pipeline(config, profile, gpus_per_node, cache):
 
 def _pipeline_inputs(config, profile, gpus_per_node, cache, key, reads, v):
     """What the pipeline's simulation and its ranks' tails read of a layout, all but its
-    engine and grad_acc (the keys: layout_key, compute_key, v): (the layer's exposed parts
+    engine and grad_acc, of which only whether it reaches the profile's ddp_recv_stall (the
+    keys: layout_key, compute_key, v, stalls_by_micro_batches): (the layer's exposed parts
     forward and backward, stage times forward and backward, send, rank_tails)."""
     d, t = config.distributed, config.training
     links = cached(cache, ("links",), Links, profile)
@@ -210,10 +216,11 @@ def _pipeline_inputs(config, profile, gpus_per_node, cache, key, reads, v):
     # the job's nodes: the grid's GPUs over gpus_per_node, the search's gpus_per_node alike
     micro_s = cached(cache, ("micro_s",) + key[:4], micro_batch_s, config, profile,
                      gpus_per_node)
-    # stage_times reads the layer's times, pp and v, compute_time's ends and micro_s
-    forward, backward, _ = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s)
-                                  + reads, _stage_tuples, config, profile, layer_f, layer_b,
-                                  cache, micro_s)
+    recv_s = ddp_recv_stall_s(config, profile, groups["pp"][2] > 1)
+    # stage_times reads the layer's times, pp and v, compute_time's ends, micro_s and recv_s
+    forward, backward, _ = cached(cache, ("stages", layer_f, layer_b, d.pp_size, v, micro_s,
+                                          recv_s) + reads, _stage_tuples, config, profile,
+                                  layer_f, layer_b, cache, micro_s, recv_s)
     send = 0.0
     if d.pp_size > 1:
         tokens = t.micro_batch_size * t.seq_length // d.cp_size
