@@ -30,6 +30,8 @@ Reading order (each file needs only the ones before it):
                            it reads
     step_tail.py           what each pipeline rank does after its last backward: the gradients'
                            reduction, the tied embedding's sum, ZeRO's gather, the optimizer
+    ddp_stall.py           the wait nanotron's runs show on each pipeline receive of a ZeRO-0
+                           pipeline under torch DDP, a profile's trait
     step_time.py           one optimizer step's predicted time, throughput, MFU and memory
     judge.py               the config's verdict on one layout of a search, the config resolved
     share_work.py          a search's grids shared with a forked second process, where there
