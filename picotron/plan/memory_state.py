@@ -19,6 +19,11 @@ def layer_params(m, tp: int) -> int:
     return matrices // tp + (1 if m.parallel_residual else 2) * m.hidden_size
 
 
+def table_params(m, tp: int) -> int:
+    """The (V/tp, C) embedding table's parameters on a TP rank, the vocabulary padded to tp."""
+    return -(-m.vocab_size // tp) * m.hidden_size
+
+
 Params = namedtuple("Params", "total layer root largest")
 
 
@@ -28,7 +33,7 @@ def rank_params(config, pp_rank: int) -> Params:
     embedding itself with one stage, its own copy on the last of several), and its largest."""
     m, d = config.model, config.distributed
     layers = sum(n for _, n in rank_layer_spans(config, pp_rank))
-    table = -(-m.vocab_size // d.tp_size) * m.hidden_size       # (V/tp, C), padded
+    table = table_params(m, d.tp_size)
     first, last = pp_rank == 0, pp_rank == d.pp_size - 1
     root = table * first + (m.hidden_size + table) * last
     if first and last and m.tie_word_embeddings:

@@ -36,7 +36,7 @@ REDUCE_SCATTER mode, C hidden, I MLP width, H heads, K = kv heads x head dim):
 from collections import namedtuple
 
 from picotron.plan.memory_activations import in_flight, virtual_stages
-from picotron.plan.memory_state import layer_params
+from picotron.plan.memory_state import layer_params, table_params
 from picotron.plan.stage_split import stage_split
 
 Parts = namedtuple("Parts", "held rest logits")
@@ -69,7 +69,7 @@ def rank_parts(config, profile, pp_rank: int, blocks=None) -> Parts:
     rank_blocks, when the caller has them."""
     m, d, t = config.model, config.distributed, config.training
     layers, embedding, head = blocks or rank_blocks(config, profile, pp_rank)
-    table = -(-m.vocab_size // d.tp_size) * m.hidden_size
+    table = table_params(m, d.tp_size)
     params = layers * layer_params(m, d.tp_size) + table * embedding + (
         table + m.hidden_size) * head
     if embedding and head and m.tie_word_embeddings:

@@ -21,7 +21,7 @@ stage times (after_backward).
 """
 from picotron.plan.comm_time import BF16
 from picotron.plan.compute_time import optimizer_s
-from picotron.plan.memory_state import rank_params
+from picotron.plan.memory_state import rank_params, table_params
 from picotron.plan.predict_cache import cached, layout_key, optimizer_key
 
 
@@ -29,7 +29,7 @@ def embedding_rows(config, rank) -> int:
     """The (V/tp, C) embedding's parameters on this pipeline rank (Params): the first rank's
     root is the table alone, the last's the head and the final norm; one rank holds both."""
     m, d = config.model, config.distributed
-    table = -(-m.vocab_size // d.tp_size) * m.hidden_size
+    table = table_params(m, d.tp_size)
     return table if d.pp_size == 1 or rank.root == table else 0
 
 
@@ -43,7 +43,7 @@ def tied_sum_s(config, links, groups, rank) -> float:
     if not m.tie_word_embeddings or d.pp_size == 1 or rank.root == 0:
         return 0.0
     wire = 4 if d.grad_reduce_dtype == "float32" else 2
-    table = -(-m.vocab_size // d.tp_size) * m.hidden_size
+    table = table_params(m, d.tp_size)
     ends = (2, 1, 2) if groups["pp"][2] > 1 else (2, 2, 1)
     return links.all_reduce(table * wire, ends)
 
