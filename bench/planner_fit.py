@@ -12,7 +12,8 @@ The free numbers (FREE, the rest of the profile stays as its sources say), in tw
   that ran; then mem_margin, the share of the GPU a layout must leave free to be predicted to
   fit: the memory the model leaves out (measured - predicted GiB) in all but 5% of the runs
   that ran, over the usable memory;
-- time: the rest of FREE (the links' bandwidth and latencies, the host's, the stall's),
+- time: the rest of FREE (the links' bandwidth and latencies, the host's, the stall's, and
+  the speed of a layout past its memory: over_memory_speed, read only where it runs at all),
   minimising the robust (Cauchy) sum of log(predicted / measured) tokens/s per GPU over the
   runs that ran, each (model, nodes) cell weighted alike, on up to --per_cell rows of each
   cell (the predictor is the cost; the report judges every row).
@@ -46,12 +47,12 @@ MARGIN_QUANTILE = 0.95
 # network stalled are 10-100x slower than any model of the step, and must not steer it
 SCALE = 0.2
 FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True),
-        "inter_latency_s": (1e-6, 1e-2, True), "inter_latency_pp_s": (1e-6, 0.05, True),
-        "intra_latency_pp_s": (1e-7, 0.01, True),
+        "inter_latency_s": (1e-6, 1e-2, True), "bucket_latency_s": (1e-7, 1e-2, True),
+        "inter_latency_pp_s": (1e-6, 0.05, True), "intra_latency_pp_s": (1e-7, 0.01, True),
         "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
         "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True),
         "stall_s": (1e-3, 5.0, True), "stall_half_nodes": (2.0, 512.0, True),
-        "stall_steepness": (0.5, 8.0, False)}
+        "stall_steepness": (0.5, 8.0, False), "over_memory_speed": (0.02, 1.0, True)}
 
 
 def fit_memory(profile, runs) -> dict:

@@ -75,6 +75,24 @@ def test_too_large_for_the_gpu_does_not_fit_and_says_why():
     assert not prediction.fits and "GiB" in prediction.note
 
 
+@pytest.mark.parametrize("speed", [1.0, 0.25])
+def test_a_layout_past_its_memory_runs_at_the_profiles_over_memory_speed(speed):
+    # at the GPU's capacity the allocator frees and retries: the step is the time model's
+    # over over_memory_speed, the extra in its own part; a layout that fits is untouched
+    big = dict(ROW, layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
+               gpus=8, dp=1, tp=1, pp=1, cp=8, zero=0)
+    profile = load_profile("h200")
+    base = predict(config_for(big), profile.with_numbers(over_memory_speed=1.0), 8)
+    slow = predict(config_for(big), profile.with_numbers(over_memory_speed=speed), 8)
+    assert not slow.fits and base.parts["memory_pressure"] == 0.0
+    assert slow.step_s == pytest.approx(base.step_s / speed)
+    assert slow.tok_s_gpu == pytest.approx(base.tok_s_gpu * speed)
+    assert sum(slow.parts.values()) == pytest.approx(slow.step_s)
+    fits = predict(config_for(ROW), profile.with_numbers(over_memory_speed=speed), 8)
+    assert fits.fits and fits.parts["memory_pressure"] == 0.0
+    assert fits.step_s == predict(config_for(ROW), profile, 8).step_s
+
+
 @pytest.mark.parametrize("changes,words", [
     ({"tp": 3, "dp": 1, "gpus": 12}, "not divisible by tp_size=3"),
     ({"gpus": 12}, "but 12 processes were launched")])

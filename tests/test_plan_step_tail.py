@@ -64,3 +64,31 @@ def test_the_tied_sum_crosses_a_node_only_when_the_pipeline_does():
     table = 131072 // 2 * 2048
     assert tied_sum_s(config, links, groups, rank_params(config, 1)) == pytest.approx(
         links.all_reduce(table * 4, (2, 2, 1)))
+
+
+@pytest.mark.parametrize("zero, steps", [(0, 2), (1, 2)])
+def test_each_bucket_after_the_first_pays_its_ring_steps_between_nodes(zero, steps):
+    # nanotron's ZeRO-1 all-reduces too (zero1_reduce), so both run 2 (k-1) steps a bucket
+    config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=zero))
+    profile = load_profile("playbook-h100")
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    rank = rank_params(config, 0)
+    reduce = rank_collectives(config, profile, links, groups, rank)[0]
+    latency = profile["bucket_latency_s"]
+    no_latency = rank_collectives(config, profile.with_numbers(bucket_latency_s=0.0), links,
+                                  groups, rank)[0]
+    size, g, k = groups["cp_dp"]
+    assert (g, k) == (4, 8)
+    buckets = -(-rank.total * 4 // (25 * 2 ** 20))           # fp32 wire, 25 MB buckets
+    assert buckets > 10
+    assert reduce - no_latency == pytest.approx((buckets - 1) * steps * (k - 1) * latency)
+
+
+def test_buckets_inside_one_node_pay_no_bucket_latency():
+    config = config_for(dict(ROW, tied=0, gpus=8, pp=1, dp=4, grad_acc=64))
+    profile = load_profile("playbook-h100")
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    rank = rank_params(config, 0)
+    assert groups["cp_dp"][2] == 1
+    assert rank_collectives(config, profile, links, groups, rank)[0] == rank_collectives(
+        config, profile.with_numbers(bucket_latency_s=1.0), links, groups, rank)[0]

@@ -41,6 +41,8 @@ NUMBERS = {
     "intra_latency_s": "latency of one step of a collective inside a node, s",
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
     "inter_latency_s": "latency of one step of a collective between nodes, s",
+    "bucket_latency_s": "a ring step between nodes of each gradient bucket's collective after "
+                        "the first (the first is a collective's: inter_latency_s), s",
     "intra_latency_pp_s": "latency of one step of a tensor-parallel collective inside a node "
                           "on a rank of a pipeline across nodes (its sends in flight), s",
     "inter_latency_pp_s": "latency of one step of a tensor-parallel collective between nodes "
@@ -61,6 +63,9 @@ NUMBERS = {
     "mem_logit_bytes": "bytes a trainer without a fused loss keeps per logit of a micro-batch",
     "send_s": "a pipeline send's fixed time beyond its bytes and latency (a blocking send's "
               "hand-shakes)",
+    "over_memory_speed": "share of the time model's speed a layout predicted not to fit runs "
+                         "at, where it runs at all (the allocator frees and retries at the "
+                         "GPU's capacity)",
     "mem_margin": "share of the usable memory a layout must leave free to be predicted to fit "
                   "(the trainer's memory is predicted only that well)",
     "mem_extra_gib": "what the trainer holds beyond both (allocator slack, workspaces), GiB",

@@ -11,7 +11,8 @@ makespan).
 
 The buckets reduce during the last backward, each as it completes (data_parallel/buckets.py;
 nanotron's DDP hooks alike): what the backward hides is gone, and the bucket completed last
-always follows it. That one holds the embedding's gradient, the last to come (its lookup's
+always follows it. Each bucket is a collective of its own, so a gradient of many buckets pays
+their ring steps' latency between nodes many times (a 1B model's at tp 1: about 100 of 25 MB). That one holds the embedding's gradient, the last to come (its lookup's
 backward ends the pass), and a parameter larger than a bucket fills one of its own.
 
 A rank's collectives and optimizer read only its parameters and the layout's grid, ZeRO, FP8
@@ -19,6 +20,8 @@ and CUDA graphs (rank_collectives, kept in a search's cache under those: cache N
 them each time); what of them its backward and forward hide is a few comparisons with its
 stage times (after_backward).
 """
+import math
+
 from picotron.plan.comm_time import BF16
 from picotron.plan.compute_time import optimizer_s
 from picotron.plan.memory_state import rank_params, table_params
@@ -79,7 +82,14 @@ def rank_collectives(config, profile, links, groups, rank, cache=None) -> tuple:
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    return (op(after, shape), bucket, tied_sum_s(config, links, groups, rank), gather, hidden,
+    reduce = op(after, shape)
+    if d.overlap_grad_reduce and after > 0 and shape[2] > 1:
+        # each bucket is a collective of its own: those after the first add their ring steps
+        # between nodes (an all-reduce's 2 (k-1), a reduce-scatter's k-1) at bucket_latency_s
+        buckets = math.ceil(after / (d.bucket_size_mb * 2 ** 20))
+        steps = (2 if op == links.all_reduce else 1) * (shape[2] - 1)
+        reduce += (buckets - 1) * steps * profile["bucket_latency_s"]
+    return (reduce, bucket, tied_sum_s(config, links, groups, rank), gather, hidden,
             cached(cache, optimizer_key(config, params), optimizer_s, config, profile, params)
             + host)
 

@@ -27,6 +27,9 @@ How a step is put together, following this project's implementation:
    pipeline's ends; ZeRO-1/2's parameter all-gather, waited for block by block in the next
    forward where the trainer overlaps it; the optimizer's passes, and the host's AdamW for
    the share offloaded to it.
+5. A layout predicted not to fit (the memory plan's, or its trainer's count) runs, where it
+   runs at all, at the profile's over_memory_speed of that step: at the GPU's capacity the
+   caching allocator frees its cache and retries (the part `memory_pressure`).
 """
 import dataclasses
 from collections.abc import Sequence
@@ -44,7 +47,7 @@ from picotron.plan.step_tail import rank_tails
 from picotron.plan.trainer_memory import counts_nanotron, fit_of, grads_held_apart, memory_fit
 from picotron.utils import flops_per_token
 
-PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer")
+PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer", "memory_pressure")
 
 
 @dataclasses.dataclass
@@ -238,6 +241,8 @@ def _after_pipeline(config, profile, before, sim, cache, fit=None) -> Prediction
     _, part_f, part_b, send, (tails, tail), v = before
     micro = t.gradient_accumulation_steps
     step = sim.makespan_s + sum(tails[tail])
+    mem, fits, note = fit or (memory_fit(config, profile) if cache is None else
+                              cached_fit(config, profile, cache))
     busiest = sim.busy_s.index(max(sim.busy_s))             # the first of the busiest
     layers_on = cached(cache, ("stage split", d.pp_size, v), stage_split, config,
                        profile)[busiest][0]
@@ -246,10 +251,12 @@ def _after_pipeline(config, profile, before, sim, cache, fit=None) -> Prediction
                   for name in ("tp", "cp", "dp"))
     idle = sim.makespan_s - sim.busy_s[busiest]
     pp = min(idle, 2 * (d.pp_size - 1) * send)
+    # a layout predicted not to fit runs, where it runs at all, at the GPU's capacity: the
+    # caching allocator frees its cache and retries, at the profile's over_memory_speed
+    pressure = 0.0 if fits else step * (1 / profile["over_memory_speed"] - 1)
     parts = dict(zip(PARTS, (sim.busy_s[busiest] - tp - cp - dp, tp, cp, pp, dp + tails[tail][0],
-                             idle - pp, tails[tail][1])))
-    mem, fits, note = fit or (memory_fit(config, profile) if cache is None else
-                              cached_fit(config, profile, cache))
+                             idle - pp, tails[tail][1], pressure)))
+    step += pressure
     tok = config.global_batch_size * t.seq_length / step / config.world_size
     flops = cached(cache, ("flops per token",), flops_per_token, config.model, t.seq_length)
     mfu = tok * flops / profile["peak_bf16_flops"]
