@@ -12,11 +12,14 @@ The free numbers (FREE, the rest of the profile stays as its sources say), in tw
   that ran; then mem_margin, the share of the GPU a layout must leave free to be predicted to
   fit: the memory the model leaves out (measured - predicted GiB) in all but 5% of the runs
   that ran, over the usable memory;
-- time: the rest of FREE (the links' bandwidth and latencies, the host's, the stall's, and
-  the speed of a layout past its memory: over_memory_speed, read only where it runs at all),
+- time: the rest of FREE (the links' bandwidth and latencies, the host's, the stall's),
   minimising the robust (Cauchy) sum of log(predicted / measured) tokens/s per GPU over the
   runs that ran, each (model, nodes) cell weighted alike, on up to --per_cell rows of each
-  cell (the predictor is the cost; the report judges every row).
+  cell (the predictor is the cost; the report judges every row);
+- over_memory_speed last: the median of measured / predicted speed over the runs that ran
+  though predicted not to fit, where at least MIN_PAST_MEMORY of the runs fit to are such (the
+  speed a layout past its memory runs at, where it runs at all); with fewer the runs cannot
+  tell it, and it stays 1 (no slowdown).
 --write stores the in-sample fit in picotron/plan/hardware/playbook-h100.json. Needs scipy.
 """
 import argparse
@@ -52,7 +55,9 @@ FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 2e11, True),
         "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
         "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True),
         "stall_s": (1e-3, 5.0, True), "stall_half_nodes": (2.0, 512.0, True),
-        "stall_steepness": (0.5, 8.0, False), "over_memory_speed": (0.02, 1.0, True)}
+        "stall_steepness": (0.5, 8.0, False)}
+# the least runs predicted not to fit, that ran, from which over_memory_speed is read
+MIN_PAST_MEMORY = 5
 
 
 def fit_memory(profile, runs) -> dict:
@@ -145,10 +150,23 @@ def subsample(runs, per_cell):
     return out
 
 
+def fit_over_memory(profile, runs) -> float:
+    """over_memory_speed: the median measured / predicted speed of the runs that ran though
+    `profile` predicts they do not fit (their prediction taken at full speed), or 1 where
+    fewer than MIN_PAST_MEMORY such runs tell it."""
+    at_full = profile.with_numbers(over_memory_speed=1.0)
+    ran = [r for r in runs if r[0]["status"] == "ran"]
+    shares = [float(row["measured_tok_s_gpu"]) / q.tok_s_gpu
+              for (row, _), q in zip(ran, predictions(at_full, ran)) if not q.fits]
+    return float(np.median(shares)) if len(shares) >= MIN_PAST_MEMORY else 1.0
+
+
 def fit(profile, runs, per_cell, max_evals) -> dict:
     memory = fit_memory(profile, runs)
-    timed = fit_time(profile.with_numbers(**memory), subsample(runs, per_cell), max_evals)
-    return {**memory, **timed}
+    timed = fit_time(profile.with_numbers(**memory, over_memory_speed=1.0),
+                     subsample(runs, per_cell), max_evals)
+    over = fit_over_memory(profile.with_numbers(**memory, **timed), runs)
+    return {**memory, **timed, "over_memory_speed": over}
 
 
 def numbers_line(name, numbers) -> str:
@@ -188,7 +206,8 @@ def main():
     print(f"python bench/planner_fit.py --per_cell {args.per_cell} --max_evals "
           f"{args.max_evals}  ({when}; {len(runs)} rows scored, {refused} left out: refused by "
           f"the config or dp x mbs x grad_acc not their gbs)")
-    shipped = {k: profile[k] for k in ("mem_logit_bytes", *MEMORY, "mem_margin", *FREE)}
+    shipped = {k: profile[k] for k in ("mem_logit_bytes", *MEMORY, "mem_margin", *FREE,
+                                        "over_memory_speed")}
     print(numbers_line("profile as shipped", shipped))
     print("\n".join(report("as shipped", judge(profile, runs))))
     print(memory_line(profile, runs))

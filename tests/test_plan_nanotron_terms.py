@@ -1,7 +1,7 @@
 """The terms the playbook-h100 profile adds for nanotron's runs: a micro-batch's stall that
 grows with the job's nodes, the host's wait on each tensor-parallel collective on a
 pipeline's rank, the pipeline split by each block's compute, ZeRO-1's all-reduce before it
-shards, and the gradient buffers held all step (a trait of a profile the memory plan counts;
+shards, its loss's passes over the logits, and the gradient buffers held all step (a trait of a profile the memory plan counts;
 tests/test_plan_nanotron_memory.py checks nanotron's own count). Each is checked with the
 term set and unset (or against this project's behaviour), so a term that stopped reaching
 the prediction fails here. CPU only: the model is arithmetic."""
@@ -10,11 +10,13 @@ import dataclasses
 import pytest
 
 from picotron.pipeline_parallel.stage import stage_layers
+from picotron.plan.compute_time import ends_time
 from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import config_for
 from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.stage_split import stage_split
 from picotron.plan.step_time import predict
+from picotron.plan.traffic import traffic_terms
 from picotron.plan.trainer_memory import grads_held_memory, held_and_device
 
 ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
@@ -140,3 +142,19 @@ def test_the_host_waits_only_where_the_pipelines_sends_cross_nodes(gpus, dp, wai
     quick = predict(config, playbook(intra_latency_pp_s=1e-7, launch_s=1e-6), 8).step_s
     slow = predict(config, playbook(intra_latency_pp_s=0.05, launch_s=1e-6), 8).step_s
     assert (slow > quick) == waits and slow >= quick
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_nanotrons_loss_moves_52_bytes_a_logit_of_the_ranks_shard(tp):
+    # the head's forward and backward outside its GEMMs: nanotron's fp32 cross-entropy in
+    # torch ops against this project's Triton loss (6 bytes a logit, 12 a row, 4 a hidden
+    # value), over the rank's (n, V/tp) shard of the logits
+    config = config_for(dict(LLAMA_8B, gpus=32, dp=32 // tp, tp=tp, pp=1, zero=0, grad_acc=8))
+    ours, theirs = with_traits(playbook(), loss_path="picotron"), playbook()
+    assert theirs.traits["loss_path"] == "nanotron"
+    n, V, C = 4096, 131072 // tp, 4096
+    extra = (52 * n * V - (6 * n * V + 12 * n + 4 * n * C)) / ours["hbm_bytes_per_s"]
+    assert sum(ends_time(config, theirs)["head"]) - sum(ends_time(config, ours)["head"]) == \
+        pytest.approx(extra)
+    assert ("loss", "head", "52*N*V") in traffic_terms(config, "nanotron")
+    assert ("loss", "head", "52*N*V") not in traffic_terms(config)

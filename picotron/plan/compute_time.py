@@ -64,10 +64,11 @@ def attention_s(config, profile):
     return forward, 2.5 * forward
 
 
-def _bytes_by_scope(config) -> dict:
+def _bytes_by_scope(config, profile) -> dict:
     """{scope: bytes of one micro-batch (one step for "step") on one rank}: the traffic
     counts at the rank's local sizes (tp-sharded widths, cp-sharded tokens, and the (n, C)
-    tensors sharded over tp only under sequence parallelism)."""
+    tensors sharded over tp only under sequence parallelism), with the loss of the
+    profile's trainer (trait loss_path)."""
     d = config.distributed
     values = symbols(config, tokens=local_sizes(config)["n"])
     values.update(W=values["W"] / d.tp_size, I=values["I"] / d.tp_size,
@@ -75,7 +76,8 @@ def _bytes_by_scope(config) -> dict:
     sharded = dict(values, N=values["N"] / d.tp_size)
     seq_parallel = d.sequence_parallel and d.tp_size > 1
     out = {}
-    for category, scope, formula in traffic_terms(config):
+    for category, scope, formula in traffic_terms(config,
+                                                  profile.traits.get("loss_path", "picotron")):
         if scope == "step":
             continue                       # optimizer_s counts them per rank's parameters
         use = sharded if seq_parallel and category in SEQUENCE_SHARDED else values
@@ -101,7 +103,7 @@ def layer_time(config, profile) -> LayerTime:
     attn_f, attn_b = attention_s(config, profile)
     # the traffic counts a layer's forward and backward together: split them 1:2, as the
     # backward reads and writes about twice the forward's tensors
-    other = _bytes_by_scope(config).get("layer", 0.0) * profile["non_gemm_factor"] \
+    other = _bytes_by_scope(config, profile).get("layer", 0.0) * profile["non_gemm_factor"] \
         / profile["hbm_bytes_per_s"]
     other_f, other_b = other / 3, 2 * other / 3
     if t.activation_checkpointing == "full":
@@ -114,7 +116,7 @@ def ends_time(config, profile) -> dict:
     "head" (the last: the head's GEMMs in bf16, the loss, the final norm), "micro" (every
     stage: the RoPE tables); each (forward, backward)."""
     z = local_sizes(config)
-    scopes = _bytes_by_scope(config)
+    scopes = _bytes_by_scope(config, profile)
     rate = profile["hbm_bytes_per_s"] / profile["non_gemm_factor"]
     head_f, head_b = forward_backward_gemm_s(z["n"], z["V"], z["C"], profile)
     loss = scopes.get("head", 0.0) / rate

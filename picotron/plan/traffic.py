@@ -8,7 +8,8 @@ kernels with fused q/k/v and gate/up projections, the Triton loss, "selective" r
 (the SwiGLU output recomputed in backward), delayed-scaled FP8 GEMMs, fp32 master weights and
 AdamW moments for bf16 parameters, bf16 gradient buffers; CUDA graphs where "auto" takes them
 (below hidden size 2048). bf16 GEMMs (training.fp8="none") and bf16 moments
-(master_weights=false) are counted too.
+(master_weights=false) are counted too, and for a profile of another trainer's runs its loss
+(nanotron_loss_terms).
 
 Symbols (each formula is a Python expression in them):
     N tokens a micro-batch (B*T)    C hidden size     D head dim      I MLP width
@@ -31,10 +32,11 @@ from picotron.utils import count_params
 SMS = 132               # streaming multiprocessors of an H100 SXM or an H200
 
 
-def traffic_terms(config) -> list:
+def traffic_terms(config, loss: str = "picotron") -> list:
     """(category, scope, formula) for every pass of the path in the module docstring. The
     comments say which kernel makes each pass and what it reads and writes (bf16: 2 bytes a
-    value, fp32 4, FP8 1)."""
+    value, fp32 4, FP8 1). `loss`: whose loss the head's passes are, "nanotron"
+    (nanotron_loss_terms) or else ours."""
     t = config.training
     fp8 = t.fp8 != "none"
     terms = []
@@ -75,7 +77,10 @@ def traffic_terms(config) -> list:
     # loss (triton_loss.py): _cross_entropy_rows reads each row of logits (V bf16) twice
     # (logsumexp, then the gradient) and writes the gradient over it, with its target and
     # loss (12 bytes a row); backward's _scale reads and writes grad_hidden (N, C).
-    count("loss", "head", "6*N*V + 12*N + 4*N*C")
+    if loss == "nanotron":
+        terms += nanotron_loss_terms()
+    else:
+        count("loss", "head", "6*N*V + 12*N + 4*N*C")
     # adds (torch): per layer the forward's residual add x + mlp (reads 2, writes 1 (N, C)) and
     # in backward the sum of the layer input's two gradients (the input norm's and the
     # add-norm's); with a tied embedding, the sum of the head's and the embedding's (V, C).
@@ -102,6 +107,17 @@ def traffic_terms(config) -> list:
     # (N, C)); backward reads dy (N, C)
     count("embedding", "embed", "6*N*C + 8*N")
     return terms
+
+
+def nanotron_loss_terms() -> list:
+    """The head's loss passes of nanotron, per logit of the rank's (N, V) shard: its Llama
+    casts the bf16 logits to fp32, then runs _ShardedCrossEntropy in torch ops. Forward: the
+    cast (reads 2, writes 4), the max (reads 4), the max-shifted copy (reads and writes 4),
+    exp in place (4 and 4), the sum (4), the softmax's division in place (4 and 4). Backward:
+    the softmax times the loss's gradient in place (4 and 4), the cast's gradient back to
+    bf16 (reads 4, writes 2). 52 bytes; its per-row passes over the targets are a few bytes a
+    token against V logits, not counted."""
+    return [("loss", "head", "52*N*V")]
 
 
 def norm_programs(C: int, N: int) -> int:
