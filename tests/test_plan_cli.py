@@ -1,6 +1,7 @@
 """`python -m picotron.plan search | score` (picotron/plan/__main__.py): score keeps every CSV
-column and gives a refused row the config's reason; bad input ends in one line naming the fix
-(missing columns all named, a row that is not a layout, an unknown profile, a model not found)."""
+column and gives a refused row the config's reason, and a row past the memory its reason and
+how it is timed; bad input ends in one line naming the fix (missing columns all named, a row
+that is not a layout, an unknown profile, a model not found)."""
 import csv
 
 import pytest
@@ -51,6 +52,22 @@ def test_score_keeps_every_column_and_refused_rows_carry_the_configs_reason(tmp_
     assert "num_attention_heads=4 is not divisible by tp_size=3" in out[1]["pred_note"]
     every = [line.strip()[2:] for line in str(error.value).splitlines()[1:]]
     assert out[1]["pred_note"] == "; ".join(every) and len(every) == 3
+
+
+def test_a_row_past_the_memory_says_why_and_how_it_is_timed(tmp_path, capsys):
+    # Llama-3-8B's shape on 32 GPUs of the playbook-h100 profile: dp4 tp2 pp4 mbs4 needs more
+    # than an H100 (the Playbook ran it: 1,374 tokens/s, 77 GB); dp8 tp2 pp2 mbs1 fits
+    big = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336, vocab=131072, tied=0,
+               seq=4096, gpus=32, gpus_per_node=8, tp=2, cp=1, zero=1)
+    rows = [dict(big, dp=4, pp=4, mbs=4, grad_acc=16), dict(big, dp=8, pp=2, mbs=1, grad_acc=32)]
+    write_csv(tmp_path / "in.csv", rows)
+    main(["score", "--layouts", str(tmp_path / "in.csv"), "--hardware", "playbook-h100",
+          "--out", str(tmp_path / "out.csv")])
+    with open(tmp_path / "out.csv", newline="") as f:
+        past, fits = list(csv.DictReader(f))
+    assert past["pred_fits"] == "0" and fits["pred_fits"] == "1" and fits["pred_note"] == ""
+    assert "GiB per GPU" in past["pred_note"] and "over_memory_speed" in past["pred_note"]
+    assert float(past["pred_tok_s_gpu"]) > 0
 
 
 def test_a_csv_missing_columns_names_them_all(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """`python -m picotron.plan score --layouts IN.csv --hardware P --out OUT.csv`: the step-time
 model's prediction for every row of a table of layouts. OUT.csv is IN.csv with every column
 kept, in its order, plus the predictions (PRED_COLUMNS); a row the config refuses gets
-pred_fits 0 and the config's reason in pred_note.
+pred_fits 0 and the config's reason in pred_note; one that does not fit the memory, pred_fits
+0, the memory's reason, and its time at the profile's over_memory_speed.
 
 IN.csv's columns: layouts.LAYOUT_COLUMNS, optionally layouts.OPTIONAL_COLUMNS and any
 `section.key` column (layouts.py says how each is read). A file without some of the columns,
@@ -46,8 +47,12 @@ def score_row(row: dict, profile, predict) -> dict:
         return {"pred_tok_s_gpu": "", "pred_step_s": "", "pred_mem_gib": "", "pred_fits": 0,
                 "pred_note": one_line(e)}
     p = predict(config, profile, int(float(row["gpus_per_node"])))
+    note = p.note
+    if p.parts.get("memory_pressure", 0.0) > 0:     # the time of a run past its memory
+        note += (f"; timed, where it runs at all, at {profile['over_memory_speed']:.2f} of its "
+                 f"speed (the profile's over_memory_speed: the allocator retries at capacity)")
     return {"pred_tok_s_gpu": f"{p.tok_s_gpu:.1f}", "pred_step_s": f"{p.step_s:.6g}",
-            "pred_mem_gib": f"{p.mem_gib:.4g}", "pred_fits": int(p.fits), "pred_note": p.note}
+            "pred_mem_gib": f"{p.mem_gib:.4g}", "pred_fits": int(p.fits), "pred_note": note}
 
 
 def score(in_path: str, profile, out_path: str, predict=None) -> int:
