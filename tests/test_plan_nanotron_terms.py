@@ -1,10 +1,11 @@
 """The terms the playbook-h100 profile adds for nanotron's runs: a micro-batch's stall that
 grows with the job's nodes, the host's wait on each tensor-parallel collective on a
 pipeline's rank, the pipeline split by each block's compute, ZeRO-1's all-reduce before it
-shards, its loss's passes over the logits, and the gradient buffers held all step (a trait of a profile the memory plan counts;
-tests/test_plan_nanotron_memory.py checks nanotron's own count). Each is checked with the
-term set and unset (or against this project's behaviour), so a term that stopped reaching
-the prediction fails here. CPU only: the model is arithmetic."""
+shards, its loss's passes over the logits, and the gradient buffers held all step (a trait
+of a profile the memory plan counts; tests/test_plan_nanotron_memory.py checks nanotron's
+own count). Each is checked with the term set and unset (or against this project's
+behaviour), so a term that stopped reaching the prediction fails here. CPU only: the model
+is arithmetic."""
 import dataclasses
 
 import pytest

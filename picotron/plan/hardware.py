@@ -87,7 +87,8 @@ TRAITS = {
               "(nanotron_memory.py), scaled by the mem_ factors; else the memory plan's",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",
     "loss_path": "whose loss the head's traffic counts: 'nanotron' (its fp32 cross-entropy in "
-                 "torch ops, 52 B a logit: traffic.nanotron_loss_terms); else this project's Triton loss",
+                 "torch ops, 52 B a logit: traffic.nanotron_loss_terms); else this project's "
+                 "Triton loss",
     "measured": "the layout knobs' values the runs it was fit to had, {knob: [values]} by the "
                 "search's short names; elsewhere its numbers are assumed, and the search and "
                 "--auto_layout say so (unmeasured)",
