@@ -8,7 +8,8 @@
              picture, a lane per pipeline rank, each rank's memory beside it
 
 Bad input (a model that is not found, an unknown profile, a CSV without some columns, a row
-that is not a layout, a config that does not load, no matplotlib for explain) ends in one line naming the fix, with exit code 2.
+that is not a layout, a config that does not load, no matplotlib for explain) ends in one
+line naming the fix, with exit code 2.
 """
 import argparse
 import sys

@@ -32,7 +32,8 @@ def describe(layout: dict) -> str:
 def row(rank: int, scored, marked: bool = False) -> tuple:
     layout, p = scored.layout, scored.prediction
     parts = [p.parts.get(name, 0.0) for name in PARTS]
-    return ((f"{rank}*" if marked else str(rank), layout_name(layout), f"{layout['mbs']} x {layout['grad_acc']}",
+    return ((f"{rank}*" if marked else str(rank), layout_name(layout),
+             f"{layout['mbs']} x {layout['grad_acc']}",
              str(layout["zero"]), layout["recompute"], layout["fp8"], f"{p.tok_s_gpu:,.0f}",
              f"{100 * p.mfu:.1f}%", f"{p.mem_gib:.1f}", f"{p.step_s:.3f}")
             + tuple(f"{1e3 * s:,.0f}ms" if s else "-" for s in parts))

@@ -71,25 +71,22 @@ def rank_collectives(config, profile, links, groups, rank, cache=None) -> tuple:
         gather = links.all_gather(params * BF16, shape)
     elif d.zero_stage == 3:
         op, after = links.all_gather, rank.root * wire
-    bucket = None
+    reduce, bucket = op(after, shape), None
     if d.overlap_grad_reduce:
+        size = d.bucket_size_mb * 2 ** 20
         # the embedding's gradient comes last (its lookup's backward ends the pass) and fills
         # a bucket of its own when larger than one: its reduction follows the backward
-        last = max(d.bucket_size_mb * 2 ** 20, embedding_rows(config, rank) * wire)
-        bucket = op(min(after, last), shape)
+        bucket = op(min(after, max(size, embedding_rows(config, rank) * wire)), shape)
+        # each bucket is a collective of its own: those after the first add their ring steps
+        # between nodes (an all-reduce's 2 (k-1), a reduce-scatter's k-1) at bucket_latency_s
+        steps = (2 if op == links.all_reduce else 1) * (shape[2] - 1)
+        reduce += max(0, math.ceil(after / size) - 1) * steps * profile["bucket_latency_s"]
     hidden = bool(gather and d.overlap_param_gather and profile.traits.get(
         "zero1_gather_overlap"))
     # the offloaded share of AdamW steps on the host after backward, with its copies, not
     # overlapped with the GPU's work (the offload plug-in steps it serially)
     shard = params / (d.dp_size * d.cp_size if d.zero_stage >= 1 else 1)
     host = d.offload_optim_frac * shard * profile["offload_s_per_param"]
-    reduce = op(after, shape)
-    if d.overlap_grad_reduce and after > 0 and shape[2] > 1:
-        # each bucket is a collective of its own: those after the first add their ring steps
-        # between nodes (an all-reduce's 2 (k-1), a reduce-scatter's k-1) at bucket_latency_s
-        buckets = math.ceil(after / (d.bucket_size_mb * 2 ** 20))
-        steps = (2 if op == links.all_reduce else 1) * (shape[2] - 1)
-        reduce += (buckets - 1) * steps * profile["bucket_latency_s"]
     return (reduce, bucket, tied_sum_s(config, links, groups, rank), gather, hidden,
             cached(cache, optimizer_key(config, params), optimizer_s, config, profile, params)
             + host)
