@@ -1,8 +1,11 @@
 """The step's tail after the last backward, as both trainers run it: the embedding's gradient
 is the last to come and fills a bucket of its own when larger than one, so its reduction
-follows the backward; and a tied embedding under a pipeline is summed across the pipeline's
-two ends. Each is checked against the collective it stands for. CPU only: the model is
+follows the backward; each bucket pays its ring's latency, where a trainer that shards after
+reducing reduces all at once after the backward; and a tied embedding under a pipeline is
+summed across the pipeline's two ends. Each is checked against the collective it stands for. CPU only: the model is
 arithmetic."""
+import dataclasses
+
 import pytest
 
 from picotron.plan.comm_time import Links, layout_groups
@@ -16,6 +19,10 @@ from picotron.plan.step_tail import (after_backward, embedding_rows, rank_collec
 ROW = dict(layers=16, hidden=2048, heads=32, kv_heads=32, ffn=8192, vocab=131072, tied=1,
            seq=4096, gpus=64, gpus_per_node=8, dp=16, tp=2, pp=2, cp=1, zero=0, mbs=1,
            grad_acc=8)
+
+
+def with_traits(profile, **traits):
+    return dataclasses.replace(profile, traits={**profile.traits, **traits})
 
 
 def tail(config, profile, rank, last_backward=10.0):
@@ -66,11 +73,12 @@ def test_the_tied_sum_crosses_a_node_only_when_the_pipeline_does():
         links.all_reduce(table * 4, (2, 2, 1)))
 
 
-@pytest.mark.parametrize("zero, steps", [(0, 2), (1, 2)])
+@pytest.mark.parametrize("zero, steps", [(0, 2), (1, 1)])
 def test_each_bucket_after_the_first_pays_its_ring_steps_between_nodes(zero, steps):
-    # nanotron's ZeRO-1 all-reduces too (zero1_reduce), so both run 2 (k-1) steps a bucket
+    # ZeRO-0 all-reduces each bucket (2 (k-1) steps), this project's ZeRO-1 reduce-scatters
+    # it (k-1 steps)
     config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=zero))
-    profile = load_profile("playbook-h100")
+    profile = with_traits(load_profile("playbook-h100"), zero1_reduce="reduce_scatter")
     links, groups = Links(profile), layout_groups(config, profile, 8)
     rank = rank_params(config, 0)
     reduce = rank_collectives(config, profile, links, groups, rank)[0]
@@ -82,6 +90,25 @@ def test_each_bucket_after_the_first_pays_its_ring_steps_between_nodes(zero, ste
     buckets = -(-rank.total * 4 // (25 * 2 ** 20))           # fp32 wire, 25 MB buckets
     assert buckets > 10
     assert reduce - no_latency == pytest.approx((buckets - 1) * steps * (k - 1) * latency)
+
+
+def test_a_trainer_that_shards_after_reducing_reduces_all_at_once_after_the_backward():
+    # nanotron's ZeRO-1 (zero1_reduce "all_reduce") runs without DDP's hooks: one all-reduce
+    # of the whole fp32 buffer after the last backward, which no backward hides and which
+    # pays no bucket's latency; then the parameters' all-gather
+    config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=1))
+    profile = load_profile("playbook-h100")
+    assert profile.traits["zero1_reduce"] == "all_reduce"
+    links, groups = Links(profile), layout_groups(config, profile, 8)
+    rank = rank_params(config, 0)
+    whole = links.all_reduce(rank.total * 4, groups["cp_dp"])
+    gather = links.all_gather(rank.total * 2, groups["cp_dp"])
+    assert tail(config, profile, 0, last_backward=10.0) == pytest.approx(whole + gather)
+    assert tail(config, profile.with_numbers(bucket_latency_s=1.0), 0) == pytest.approx(
+        whole + gather)
+    # in buckets during the backward (ZeRO-0), a long backward hides all but the last
+    zero0 = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=0))
+    assert tail(zero0, profile, 0, last_backward=10.0) < whole / 2
 
 
 def test_buckets_inside_one_node_pay_no_bucket_latency():

@@ -76,8 +76,10 @@ TRAITS = {
     "zero1_gather_overlap": "ZeRO-1/2's parameter all-gather overlaps the next forward",
     "pp_split": "how its pipeline splits the blocks among ranks: 'compute_cost' (nanotron: "
                 "by each block's FLOPs, stage_split.py); else this project's equal layers",
-    "zero1_reduce": "how ZeRO-1/2 reduce the gradients: 'reduce_scatter' (this project) or "
-                    "'all_reduce' (nanotron: every rank gets all, keeps its shard)",
+    "zero1_reduce": "how ZeRO-1/2 reduce the gradients: 'reduce_scatter' in buckets during "
+                    "the backward (this project) or 'all_reduce' of the whole buffer after it "
+                    "(nanotron, whose ZeRO runs without DDP's hooks: every rank gets all, keeps "
+                    "its shard)",
     "ddp_recv_stall": "the least micro-batches a step from which a ZeRO-0 pipeline with dp > 1 "
                       "(nanotron: under torch DDP) whose sends cross nodes waits stall_s on "
                       "each receive (ddp_stall.py); absent or 0: never",

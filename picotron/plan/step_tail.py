@@ -1,10 +1,10 @@
 """What each pipeline rank does after its last backward: the gradients' reduction over cp x dp
-(ZeRO-1/2's reduce-scatter, or the all-reduce of a trainer that shards after it:
-zero1_reduce), in buckets during that backward, what outlasts it exposed; a tied embedding's
-sum across the pipeline's two ends; ZeRO-1/2's parameter all-gather, waited for block by block
-in the next forward where the trainer overlaps it; the optimizer's passes, and the host's
-AdamW for the share offloaded to it (step_time.py adds them to the simulated pipeline's
-makespan).
+(ZeRO-1/2's reduce-scatter) in buckets during that backward, what outlasts it exposed, or,
+for a trainer that all-reduces what it then shards (zero1_reduce), one all-reduce after that
+backward; a tied embedding's sum across the pipeline's two ends; ZeRO-1/2's parameter
+all-gather, waited for block by block in the next forward where the trainer overlaps it; the
+optimizer's passes, and the host's AdamW for the share offloaded to it (step_time.py adds
+them to the simulated pipeline's makespan).
 
     rank_tails(config, profile, links, groups, forward, backward, v, cache)
         -> ([(dp exposed, optimizer) of each rank], the rank whose tail is the longest)
@@ -65,14 +65,19 @@ def rank_collectives(config, profile, links, groups, rank, cache=None) -> tuple:
     # the reduction (a reduce-scatter costs an all-gather's time) and the bytes it reduces
     # after the backward: ZeRO-3 reduces the layers' part inside their passes
     op, after, gather = links.all_reduce, params * wire, 0.0
-    if d.zero_stage in (1, 2):            # a trainer may all-reduce what it then shards
+    in_buckets = d.overlap_grad_reduce
+    if d.zero_stage in (1, 2):
         if profile.traits.get("zero1_reduce", "reduce_scatter") == "reduce_scatter":
             op = links.all_gather
+        else:
+            # a trainer that all-reduces what it then shards (nanotron: its ZeRO runs without
+            # torch DDP's hooks) reduces the whole buffer at once after the last backward
+            in_buckets = False
         gather = links.all_gather(params * BF16, shape)
     elif d.zero_stage == 3:
         op, after = links.all_gather, rank.root * wire
     reduce, bucket = op(after, shape), None
-    if d.overlap_grad_reduce:
+    if in_buckets:
         size = d.bucket_size_mb * 2 ** 20
         # the embedding's gradient comes last (its lookup's backward ends the pass) and fills
         # a bucket of its own when larger than one: its reduction follows the backward

@@ -21,12 +21,12 @@ How a step is put together, following this project's implementation:
    layer's pass from below (not under CUDA graphs).
 3. The pipeline, simulated from the engine's orders (pipeline_sim.py) with each send's time.
 4. After each rank's last backward (step_tail.py): the gradients' reduction over cp x dp
-   (ZeRO-1/2's a reduce-scatter, or the all-reduce of a trainer that shards after it:
-   zero1_reduce), in buckets during that backward (what outlasts it is exposed, and the
-   embedding's own bucket, completed last, always is); a tied embedding's sum across the
-   pipeline's ends; ZeRO-1/2's parameter all-gather, waited for block by block in the next
-   forward where the trainer overlaps it; the optimizer's passes, and the host's AdamW for
-   the share offloaded to it.
+   (ZeRO-1/2's a reduce-scatter) in buckets during that backward (what outlasts it is
+   exposed, and the embedding's own bucket, completed last, always is), or a trainer's one
+   all-reduce after it where it shards after reducing (zero1_reduce); a tied embedding's
+   sum across the pipeline's ends; ZeRO-1/2's parameter all-gather, waited for block by
+   block in the next forward where the trainer overlaps it; the optimizer's passes, and the
+   host's AdamW for the share offloaded to it.
 5. A layout predicted not to fit (the memory plan's, or its trainer's count) runs, where it
    runs at all, at the profile's over_memory_speed of that step: at the GPU's capacity the
    caching allocator frees its cache and retries (the part `memory_pressure`).
