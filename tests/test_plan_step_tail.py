@@ -2,8 +2,8 @@
 is the last to come and fills a bucket of its own when larger than one, so its reduction
 follows the backward; each bucket pays its ring's latency, where a trainer that shards after
 reducing reduces all at once after the backward; and a tied embedding under a pipeline is
-summed across the pipeline's two ends. Each is checked against the collective it stands for. CPU only: the model is
-arithmetic."""
+summed across the pipeline's two ends. Each is checked against the collective it stands
+for. CPU only: the model is arithmetic."""
 import dataclasses
 
 import pytest
