@@ -9,7 +9,7 @@ import pytest
 
 from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import config_for
-from picotron.plan.memory_plan import estimate
+from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.memory_state import GiB, layer_params
 from picotron.plan.nanotron_memory import (busiest_need, layer_bytes, rank_blocks, rank_need,
                                            rank_parts)
@@ -86,9 +86,11 @@ def test_the_count_is_the_profiles_trait_only():
     config = config_for(LLAMA_8B)
     profile = nanotron()
     plan = dataclasses.replace(profile, traits={**profile.traits, "memory": None})
-    logits = 4096 * 131072 // 2                 # the plan's rule: its estimate and logits
-    assert memory_fit(config, plan)[0] == pytest.approx(
-        (estimate(config).device_bytes + 10.0 * logits) / GiB, rel=1e-12)
+    # the plan's rule: each rank's estimate, the loss's logits on the head's (last) rank
+    logits = 4096 * 131072 // 2
+    needs = [rank_estimate(config, r).device_bytes for r in range(4)]
+    needs[-1] += 10.0 * logits
+    assert memory_fit(config, plan)[0] == pytest.approx(max(needs) / GiB, rel=1e-12)
     assert memory_fit(config, profile)[0] != memory_fit(config, plan)[0]
 
 
@@ -102,6 +104,29 @@ def test_explains_lanes_show_each_ranks_count():
         assert m.held_bytes == pytest.approx(profile["mem_held_factor"] * parts.held)
     assert max(m.device_bytes for m in lanes) / GiB == pytest.approx(
         predict(config, profile, 8).mem_gib, rel=1e-12)
+
+
+@pytest.mark.parametrize("change", [{"zero": 3}, {"zero": 3, "pp": 1, "dp": 32},
+                                    {"recompute": "selective", "mbs": 4, "grad_acc": 8}])
+def test_explains_lanes_show_the_plans_rule_as_the_profile_scales_it(change):
+    # a layout outside nanotron's count: each rank's bar is the memory plan's estimate of
+    # it, scaled as the profile scales it, the trainer's logits on the head's rank alone, and
+    # the busiest bar is the figure the prediction (its header, its search row) judges by
+    config = config_for(dict(LLAMA_8B, **change))
+    profile = load_profile("playbook-h100")
+    assert not counts_nanotron(config, profile)
+    lanes, pp = rank_memory(config, profile), config.distributed.pp_size
+    logits = profile["mem_logit_bytes"] * config.training.micro_batch_size * 4096 * 131072 // 2
+    for r, m in enumerate(lanes):
+        e = rank_estimate(config, r)
+        held = sum(row.bytes for row in e.rows if row.when == "held")
+        need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
+            e.device_bytes - held) + profile["mem_extra_gib"] * GiB)
+        assert m.device_bytes == pytest.approx(need + (logits if r == pp - 1 else 0), rel=1e-12)
+        assert m.held_bytes == pytest.approx(profile["mem_held_factor"] * held, rel=1e-12)
+    for cache in (None, {}):
+        assert max(m.device_bytes for m in lanes) / GiB == pytest.approx(
+            predict(config, profile, 8, cache=cache).mem_gib, rel=1e-12)
 
 
 @pytest.mark.parametrize("change, counted", [

@@ -114,8 +114,9 @@ def draw_lanes(ax, lanes, pp: int) -> None:
 
 def draw_memory(ax, lanes, profile, pp: int, title: str = "memory plan") -> None:
     """Each rank's memory (step_lanes.rank_memory): held the whole step, plus what the step's
-    peak adds."""
-    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) / GiB
+    peak adds, against the usable memory less the margin the profile's trainer must leave
+    free (trainer_memory.need_fit's limit)."""
+    usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"]) / GiB
     for r, m in enumerate(lanes.memory):
         held, peak = m.held_bytes / GiB, m.peak_bytes / GiB
         ax.barh(r, held, height=LANE, color=COLORS["held"], gid=f"{r}:held")
@@ -138,8 +139,12 @@ def draw(config, profile, lanes, out: str) -> str:
     fig, (ax, mem) = plt.subplots(1, 2, figsize=(14, 1.9 + 0.55 * pp),
                                   gridspec_kw={"width_ratios": [6, 1]})
     draw_lanes(ax, lanes, pp)
-    draw_memory(mem, lanes, profile, pp, f"{profile.traits['memory']}'s memory"
-                if counts_nanotron(config, profile) else "memory plan")
+    trainer = profile.traits.get("trainer", "picotron")
+    if counts_nanotron(config, profile):
+        title = f"{profile.traits['memory']}'s memory"
+    else:       # another trainer's profile scales the plan (step_lanes.rank_memory)
+        title = "memory plan" if trainer == "picotron" else f"memory plan, as {trainer}"
+    draw_memory(mem, lanes, profile, pp, title)
     head, numbers = summary(config, profile, lanes).split("\n")
     ax.set_title(f"{head}\n{numbers.split(';')[0]}", fontsize=9, loc="left")
     drawn = {bar.kind for bar in lanes.bars}

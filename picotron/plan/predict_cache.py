@@ -8,7 +8,7 @@ The keys name those values; tests/test_plan_search_speed.py holds a search's pre
 with the cache to the ones without it.
 """
 from picotron.plan.memory_activations import activation_rows, virtual_stages
-from picotron.plan.memory_plan import estimate, has_auto
+from picotron.plan.memory_plan import has_auto
 from picotron.plan.memory_state import rank_params, state_rows
 
 
@@ -112,38 +112,35 @@ def _activation_sums(config, cache):
     return None if None in sums else sums
 
 
-def cached_memory(config, cache, grads_held: bool = False) -> tuple:
-    """(held bytes, device bytes) of memory_plan.estimate(config), the sums of its
-    rank_estimate in its order (the state rows, then the activation rows), each part's sums
-    of every rank cached by the knobs they read (memory_state.py, memory_activations.py);
-    the whole is not kept: its key, memory_key, holds nearly every knob (the caller keeps its
-    fit under it). grads_held: with the gradient buffers held all step
-    (trainer_memory.grads_held_memory); None where that needs the whole estimate (a config
-    with "auto", rows off their moments)."""
+def cached_memory(config, cache, grads_held: bool = False) -> list:
+    """trainer_memory.rank_sums: [(held bytes, device bytes)] of the ranks of
+    memory_plan.estimate(config) that can be the busiest, the last pipeline rank's last, the
+    sums of each rank_estimate in its order (the state rows, then the activation rows), each
+    part's sums of every rank cached by the knobs they read (memory_state.py,
+    memory_activations.py); the whole is not kept: its key, memory_key, holds nearly every
+    knob (the caller keeps its fit under it). grads_held: with the gradient buffers held all
+    step (trainer_memory.grads_held_memory); None where that needs the whole estimate (a
+    config with "auto", rows off their moments)."""
     if has_auto(config):
-        if grads_held:
-            return None             # the caller's own estimate (trainer_memory.memory_fit)
-        e = estimate(config)
-        return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
+        return None                 # the caller's own estimate (trainer_memory.memory_fit)
     k, v = layout_key(config), virtual_stages(config)
     state = cached(cache, ("state", v) + state_key(k), _state_sums, config, v, cache)
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
                  config, cache)
     if state is None or act is None:        # a row at another part's moment: sum them all
         return None if grads_held else _summed_memory(config)
-    graphs, best, alike = config.training.cuda_graphs is True, None, None
-    for s, a in zip(state, act):            # the first rank of the largest, as estimate's max
-        if alike is not None and s is alike[0] and a is alike[1]:
+    graphs, sums, alike = config.training.cuda_graphs is True, [], None
+    last = len(state) - 1
+    for r, (s, a) in enumerate(zip(state, act)):
+        if alike is not None and s is alike[0] and a is alike[1] and r < last:
             continue            # the rank before's sums (the middle ranks'): no larger
         alike = s, a
         held, forward, step = s["held"], a["forward"], s["step"]
         if grads_held:
             held, step = held + s["grads at step"], step - s["grads at step"]
-        device = held + forward + step if graphs else held + (
-            forward if forward >= step else step)
-        if best is None or device > best[1]:
-            best = (held, device)
-    return best
+        sums.append((held, held + forward + step if graphs else held + (
+            forward if forward >= step else step)))
+    return sums
 
 
 def memory_key(config) -> tuple:
@@ -154,15 +151,13 @@ def memory_key(config) -> tuple:
     return ("memory",) + k[:4] + k[5:]
 
 
-def _summed_memory(config) -> tuple:
+def _summed_memory(config) -> list:
     """cached_memory of rows that do not keep to their parts' moments: each rank's totals."""
-    best = None
+    sums = []
     for r in range(config.distributed.pp_size):
         rows = state_rows(config, rank_params(config, r)) + activation_rows(config, r)
         held, forward, step = (sum(row.bytes for row in rows if row.when == when)
                                for when in ("held", "forward", "step"))
-        device = held + forward + step if config.training.cuda_graphs is True else held + max(
-            forward, step)
-        if best is None or device > best[1]:
-            best = (held, device)
-    return best
+        sums.append((held, held + forward + step if config.training.cuda_graphs is True
+                     else held + max(forward, step)))
+    return sums

@@ -1,8 +1,9 @@
 """One layout's step as lanes, one per pipeline rank: the bars `python -m picotron.plan explain`
 draws, read from step_time.predict's own timeline (the pipeline simulated from the schedules'
 action lists by pipeline_sim.py, then each rank's work after its last backward), and each
-rank's memory from the memory plan (or the profile's trainer's own count). Nothing here times anything again: a bar is an event of
-that timeline, or the gap between two of them.
+rank's memory from the memory plan as the profile scales it (or the profile's trainer's own
+count). Nothing here times anything again: a bar is an event of that timeline, or the gap
+between two of them.
 
     step_lanes(config, profile, gpus_per_node) -> Lanes(prediction, bars, memory, v)
 
@@ -25,7 +26,7 @@ from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.nanotron_memory import rank_need, rank_parts
 from picotron.plan.stage_split import stage_split
 from picotron.plan.step_time import layer_pass, predict
-from picotron.plan.trainer_memory import counts_nanotron
+from picotron.plan.trainer_memory import counts_nanotron, held_and_device_of, scaled_need
 
 KINDS = ("forward", "backward", "exposed", "send", "idle", "dp", "optimizer")
 Bar = namedtuple("Bar", "rank kind start_s end_s micro chunk")
@@ -64,7 +65,8 @@ def rank_memory(config, profile=None) -> list:
     """RankMemory of every pipeline rank, from the memory plan's estimate of that rank, or
     for a profile whose trainer's memory is counted apart (trainer_memory.counts_nanotron)
     from that count: its held bytes, and what the rank's peak adds, the profile's factors
-    applied (the figure step_time's prediction judges the layout by)."""
+    applied, and its trainer's logits on the head's rank (the figure step_time's prediction
+    judges the layout by: the busiest rank's)."""
     memory = []
     if profile is not None and counts_nanotron(config, profile):
         for r in range(config.distributed.pp_size):
@@ -72,10 +74,13 @@ def rank_memory(config, profile=None) -> list:
             held, need = profile["mem_held_factor"] * parts.held, rank_need(parts, profile)
             memory.append(RankMemory(held, need - held, need))
         return memory
-    for r in range(config.distributed.pp_size):
-        e = rank_estimate(config, r)
-        held = sum(row.bytes for row in e.rows if row.when == "held")
-        memory.append(RankMemory(held, e.device_bytes - held, e.device_bytes))
+    pp = config.distributed.pp_size
+    for r in range(pp):
+        held, device = held_and_device_of(rank_estimate(config, r))
+        if profile is not None:
+            device = scaled_need(config, profile, held, device, head=r == pp - 1)
+            held = profile["mem_held_factor"] * held
+        memory.append(RankMemory(held, device - held, device))
     return memory
 
 

@@ -74,7 +74,7 @@ def cached_fit(config, profile, cache):
 
     def fit():
         sums = cached_memory(config, cache, held)
-        return memory_fit(config, profile) if sums is None else fit_of(config, profile, *sums)
+        return memory_fit(config, profile) if sums is None else fit_of(config, profile, sums)
     return cached(cache, ("fit", held) + memory_key(config), fit)
 
 

@@ -5,13 +5,16 @@ trait memory = "nanotron", that trainer's own count rank by rank (nanotron_memor
 parts scaled by the same factors.
 
     memory_fit(config, profile) -> (mem_gib, fits, note)
-    fit_of(config, profile, held, device_bytes): the same from the estimate's two totals
+    fit_of(config, profile, ranks): the same from the estimate's (held, device) of its ranks
+
+The logits a trainer's loss keeps (mem_logit_bytes) are the head's: they count on the last
+pipeline rank only, as nanotron's count has them.
 """
 import copy
 
 from picotron.config import resolve_auto
 from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_plan import GPU_RESERVED, estimate, has_auto, rank_estimate
+from picotron.plan.memory_plan import GPU_RESERVED, has_auto, rank_estimate
 from picotron.plan.memory_state import GiB
 from picotron.plan.nanotron_memory import busiest_need
 
@@ -25,7 +28,7 @@ def memory_fit(config, profile):
     if counts_nanotron(config, profile):
         need, rank = busiest_need(config, profile)
         return need_fit(need, profile, f" on pipeline rank {rank}")
-    return fit_of(config, profile, *held_and_device(config, profile))
+    return fit_of(config, profile, rank_sums(config, profile))
 
 
 def counts_nanotron(config, profile) -> bool:
@@ -40,13 +43,27 @@ def counts_nanotron(config, profile) -> bool:
             and t.activation_checkpointing in ("none", "auto"))
 
 
-def held_and_device(config, profile) -> tuple:
-    """(held, device bytes) of the memory plan's estimate, as the profile's trainer holds
-    them (grads_held_apart)."""
+def rank_sums(config, profile) -> list:
+    """[(held, device bytes)] of the memory plan's estimate of each pipeline rank, as the
+    profile's trainer holds them (grads_held_apart): the ranks that can be the busiest, the
+    last pipeline rank's last."""
     if grads_held_apart(config, profile):
         return grads_held_memory(config)
-    e = estimate(config)
+    if has_auto(config):
+        config = copy.deepcopy(config)
+        resolve_auto(config)
+    return [held_and_device_of(rank_estimate(config, r))
+            for r in range(config.distributed.pp_size)]
+
+
+def held_and_device_of(e) -> tuple:
+    """(held, device bytes) of one rank's Estimate."""
     return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
+
+
+def held_and_device(config, profile) -> tuple:
+    """(held, device bytes) of the busiest rank of rank_sums."""
+    return max(rank_sums(config, profile), key=lambda sums: sums[1])
 
 
 def grads_held_apart(config, profile) -> bool:
@@ -57,13 +74,13 @@ def grads_held_apart(config, profile) -> bool:
             and config.training.gradient_accumulation_steps == 1)
 
 
-def grads_held_memory(config) -> tuple:
-    """(held, device bytes) of the busiest pipeline rank with its gradient buffers held,
-    the plan's rule otherwise (memory_plan.rank_estimate)."""
+def grads_held_memory(config) -> list:
+    """rank_sums with the gradient buffers held, the plan's rule otherwise
+    (memory_plan.rank_estimate)."""
     if has_auto(config):
         config = copy.deepcopy(config)
         resolve_auto(config)
-    graphs, best, pp = config.training.cuda_graphs is True, None, config.distributed.pp_size
+    graphs, pp, ranks_sums = config.training.cuda_graphs is True, config.distributed.pp_size, []
     # at one micro-batch every rank holds one in flight: the ranks differ only by their ends
     # and by a layer more or less, so the first two and the last two stand for all
     ranks = range(pp) if virtual_stages(config) > 1 else sorted({0, 1, pp - 2, pp - 1} & set(
@@ -74,10 +91,8 @@ def grads_held_memory(config) -> tuple:
             when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
             sums[when] = sums.get(when, 0) + row.bytes
         held, forward, step = (sums.get(w, 0) for w in ("held", "forward", "step"))
-        device = held + (forward + step if graphs else max(forward, step))
-        if best is None or device > best[1]:
-            best = (held, device)
-    return best
+        ranks_sums.append((held, held + (forward + step if graphs else max(forward, step))))
+    return ranks_sums
 
 
 def logit_count(config) -> int:
@@ -87,13 +102,18 @@ def logit_count(config) -> int:
                                                                 d.tp_size)
 
 
-def fit_of(config, profile, held, device_bytes):
-    """memory_fit from the estimate's held bytes and its device bytes."""
-    logits = logit_count(config)
-    need = (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
-        device_bytes - held) + profile["mem_logit_bytes"] * logits
-        + profile["mem_extra_gib"] * GiB)
-    return need_fit(need, profile)
+def scaled_need(config, profile, held, device_bytes, head: bool) -> float:
+    """The bytes a profile's trainer needs on a rank of the plan's (held, device bytes): its
+    factors and extra applied, and on the head's rank its loss's logits."""
+    logits = profile["mem_logit_bytes"] * logit_count(config) if head else 0.0
+    return (profile["mem_held_factor"] * held + profile["mem_act_factor"] * (
+        device_bytes - held) + logits + profile["mem_extra_gib"] * GiB)
+
+
+def fit_of(config, profile, ranks):
+    """memory_fit from rank_sums' [(held, device bytes)], the last the head's rank."""
+    return need_fit(max(scaled_need(config, profile, held, device, i == len(ranks) - 1)
+                        for i, (held, device) in enumerate(ranks)), profile)
 
 
 def need_fit(need, profile, where: str = ""):
