@@ -53,7 +53,7 @@ SCALE = 0.2
 # the link between nodes is bounded by the NIC's 400 Gb/s (50 GB/s) a GPU: a faster fit would
 # price a data-parallel reduction at more than the hardware moves
 FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 5e10, True),
-        "inter_latency_s": (1e-6, 1e-2, True), "bucket_latency_s": (1e-7, 1e-2, True),
+        "inter_latency_s": (1e-6, 1e-2, True), "dp_latency_s": (1e-7, 1e-2, True),
         "inter_latency_pp_s": (1e-6, 0.05, True), "intra_latency_pp_s": (1e-7, 0.01, True),
         "tp_exposed": (0.0, 1.0, False), "launch_s": (1e-6, 0.02, True),
         "micro_s": (1e-5, 0.3, True), "send_s": (1e-6, 0.3, True),
@@ -64,7 +64,7 @@ FREE = {"gemm_eff": (0.2, 0.95, False), "inter_bytes_per_s": (1e8, 5e10, True),
 # overlap, a stall of a tenth of a second at the largest job), so a fit on one model carries
 # nothing of the other model's runs, as a start at the stored profile (fit on both) would
 START = {"gemm_eff": 0.7761, "inter_bytes_per_s": 5e10, "inter_latency_s": 2.5e-5,
-         "bucket_latency_s": 2.5e-5, "inter_latency_pp_s": 2.5e-5, "intra_latency_pp_s": 5e-6,
+         "dp_latency_s": 2.5e-5, "inter_latency_pp_s": 2.5e-5, "intra_latency_pp_s": 5e-6,
          "tp_exposed": 1.0, "launch_s": 1.085e-3, "micro_s": 1e-4, "send_s": 1e-4,
          "stall_s": 0.1, "stall_half_nodes": 64.0, "stall_steepness": 4.0}
 # the least runs predicted not to fit, that ran, from which over_memory_speed is read

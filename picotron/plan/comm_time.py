@@ -9,7 +9,8 @@ apart has g = gpus_per_node // stride of them in each node (at least 1, at most 
 k = size / g nodes.
 
 Algorithms (S bytes of the whole buffer, g ranks a node, k nodes, b_in / b_out the profile's
-bus bandwidths inside and between nodes per GPU, l_in / l_out their step latencies):
+bus bandwidths inside and between nodes per GPU, l_in / l_out their step latencies, which
+depend on whose collective it is: LATENCIES):
     all-reduce      hierarchical: a ring inside the node, then the node's shards across nodes:
                     2 (g-1)/g S / b_in + 2 (k-1)/k S / (g b_out)
                     + latency 2 (g-1) l_in + 2 (k-1) l_out (a ring across nodes too: NCCL's
@@ -40,15 +41,25 @@ def merged_shape(shapes) -> tuple:
     return size, g, max(1, size // g)
 
 
-class Links:
-    """A profile's links, for the collectives of one layout's groups."""
+# (inside a node, between nodes) latency of a ring step, by whose collective it is: a layer's
+# (tensor parallelism's), the same on a rank of a pipeline whose sends cross nodes (the host
+# waits on each step there), and the data-parallel reductions and gathers at the step's end
+# (the network's own latency: no host waits on their steps one by one)
+LATENCIES = {"layer": ("intra_latency_s", "inter_latency_s"),
+             "pipelined": ("intra_latency_pp_s", "inter_latency_pp_s"),
+             "data_parallel": ("intra_latency_s", "dp_latency_s")}
 
-    def __init__(self, profile, pipelined=False):
+
+class Links:
+    """A profile's links, for the collectives of one layout's groups; `pipelined` and
+    `data_parallel` are the same links at those collectives' latencies (LATENCIES)."""
+
+    def __init__(self, profile, role="layer"):
         self.b_in, self.b_out = profile["intra_bytes_per_s"], profile["inter_bytes_per_s"]
-        # a ring step inside a node and between nodes, on a rank of a pipeline their own
-        self.l_in = profile["intra_latency_pp_s" if pipelined else "intra_latency_s"]
-        self.l_out = profile["inter_latency_pp_s" if pipelined else "inter_latency_s"]
-        self.pipelined = Links(profile, True) if not pipelined else self
+        self.l_in, self.l_out = (profile[key] for key in LATENCIES[role])
+        if role == "layer":
+            self.pipelined = Links(profile, "pipelined")
+            self.data_parallel = Links(profile, "data_parallel")
 
     def all_reduce(self, nbytes, shape) -> float:
         size, g, k = shape

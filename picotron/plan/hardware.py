@@ -40,9 +40,10 @@ NUMBERS = {
     "intra_bytes_per_s": "a collective's bus bandwidth inside a node, per GPU, B/s",
     "intra_latency_s": "latency of one step of a collective inside a node, s",
     "inter_bytes_per_s": "a collective's bus bandwidth between nodes, per GPU, B/s",
-    "inter_latency_s": "latency of one step of a collective between nodes, s",
-    "bucket_latency_s": "a ring step between nodes of each gradient bucket's collective after "
-                        "the first (the first is a collective's: inter_latency_s), s",
+    "inter_latency_s": "latency of one step of a layer's (tensor-parallel) collective between "
+                       "nodes, s",
+    "dp_latency_s": "latency of one step between nodes of the step's data-parallel collectives "
+                    "(each gradient bucket's, ZeRO's gathers, a tied embedding's sum), s",
     "intra_latency_pp_s": "latency of one step of a tensor-parallel collective inside a node "
                           "on a rank of a pipeline across nodes (its sends in flight), s",
     "inter_latency_pp_s": "latency of one step of a tensor-parallel collective between nodes "

@@ -57,8 +57,10 @@ def rank_collectives(config, profile, links, groups, rank, cache=None) -> tuple:
     rank (its Params, rank_params) at the step's end, before its stage times hide any: the
     gradients' reduction, the last bucket's (None: the reduction waits for backward's end), the
     tied embedding's sum, the ZeRO-1/2 parameter gather, whether the next forward hides that
-    gather, and the optimizer's step with the offloaded share's host time."""
+    gather, and the optimizer's step with the offloaded share's host time. Its collectives
+    are `links`' data-parallel ones (their ring steps at the network's latency, dp_latency_s)."""
     d = config.distributed
+    links = links.data_parallel
     params = rank.total
     wire = 4 if d.grad_reduce_dtype == "float32" else 2
     shape = groups["cp_dp"]
@@ -83,9 +85,9 @@ def rank_collectives(config, profile, links, groups, rank, cache=None) -> tuple:
         # a bucket of its own when larger than one: its reduction follows the backward
         bucket = op(min(after, max(size, embedding_rows(config, rank) * wire)), shape)
         # each bucket is a collective of its own: those after the first add their ring steps
-        # between nodes (an all-reduce's 2 (k-1), a reduce-scatter's k-1) at bucket_latency_s
+        # between nodes (an all-reduce's 2 (k-1), a reduce-scatter's k-1)
         steps = (2 if op == links.all_reduce else 1) * (shape[2] - 1)
-        reduce += max(0, math.ceil(after / size) - 1) * steps * profile["bucket_latency_s"]
+        reduce += max(0, math.ceil(after / size) - 1) * steps * links.l_out
     hidden = bool(gather and d.overlap_param_gather and profile.traits.get(
         "zero1_gather_overlap"))
     # the offloaded share of AdamW steps on the host after backward, with its copies, not

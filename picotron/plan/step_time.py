@@ -98,8 +98,8 @@ def layer_pass(config, profile, links, groups, cache=None):
     z3_f = z3_b = 0.0
     if d.zero_stage == 3:                 # gathered ahead, behind the previous layer's work
         shard = layer_params(config.model, d.tp_size) * BF16
-        gather = links.all_gather(shard, groups["cp_dp"])
-        scatter = links.all_gather(shard * 2, groups["cp_dp"])      # fp32 gradients
+        gather = links.data_parallel.all_gather(shard, groups["cp_dp"])
+        scatter = links.data_parallel.all_gather(shard * 2, groups["cp_dp"])   # fp32 grads
         z3_f = max(0.0, gather - compute_f)
         again = 0.0 if d.zero3_keep_params else gather
         z3_b = max(0.0, again + scatter - compute_b)
