@@ -3,7 +3,6 @@ under torch DDP (trait ddp_recv_stall, picotron/plan/ddp_stall.py): on a receivi
 passes only, only for ZeRO-0 with dp > 1, a pipeline whose sends cross nodes and the
 micro-batches the trait names; a search's cache keys on it. CPU only: the model is
 arithmetic."""
-import dataclasses
 
 import pytest
 
@@ -21,7 +20,7 @@ STALL = 0.3
 
 def playbook(**traits):
     profile = load_profile("playbook-h100").with_numbers(stall_s=STALL)
-    return dataclasses.replace(profile, traits={**profile.traits, **traits})
+    return profile.with_traits(**traits)
 
 
 def test_each_receiving_pass_waits_the_stall():

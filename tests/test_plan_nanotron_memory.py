@@ -3,7 +3,6 @@ profile names with its trait memory = "nanotron": what it holds per parameter un
 and ZeRO-1 with and without data parallelism, the micro-batches its 1F1B keeps in flight on
 each pipeline rank, the logits on the head's rank alone, and a layout judged by its busiest
 rank. Each is checked against a count by hand or with the term set and unset. CPU only."""
-import dataclasses
 
 import pytest
 
@@ -85,7 +84,7 @@ def test_a_layout_fits_by_its_busiest_rank_and_names_it():
 def test_the_count_is_the_profiles_trait_only():
     config = config_for(LLAMA_8B)
     profile = nanotron()
-    plan = dataclasses.replace(profile, traits={**profile.traits, "memory": None})
+    plan = profile.with_traits(memory=None)
     # the plan's rule: each rank's estimate, the loss's logits on the head's (last) rank
     logits = 4096 * 131072 // 2
     needs = [rank_estimate(config, r).device_bytes for r in range(4)]

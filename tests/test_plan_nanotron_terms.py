@@ -6,7 +6,6 @@ of a profile the memory plan counts; tests/test_plan_nanotron_memory.py checks n
 own count). Each is checked with the term set and unset (or against this project's
 behaviour), so a term that stopped reaching the prediction fails here. CPU only: the model
 is arithmetic."""
-import dataclasses
 
 import pytest
 
@@ -29,10 +28,6 @@ LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=14336, vocab=
 
 def playbook(**numbers):
     return load_profile("playbook-h100").with_numbers(**numbers)
-
-
-def with_traits(profile, **traits):
-    return dataclasses.replace(profile, traits={**profile.traits, **traits})
 
 
 def test_a_stall_lengthens_each_micro_batch_slot_by_its_share():
@@ -98,7 +93,7 @@ def test_the_compute_split_balances_the_head_against_the_layers(pp):
 def test_nanotrons_zero1_all_reduces_before_it_shards():
     config = config_for(dict(LLAMA_8B, pp=1, dp=32, grad_acc=8))
     profile = playbook()
-    scatter = with_traits(profile, zero1_reduce="reduce_scatter")
+    scatter = profile.with_traits(zero1_reduce="reduce_scatter")
     slow = predict(config, profile, 8).parts["dp"]
     quick = predict(config, scatter, 8).parts["dp"]
     assert slow > quick > 0
@@ -106,7 +101,7 @@ def test_nanotrons_zero1_all_reduces_before_it_shards():
 
 def grads_held_profile(held=True):
     """playbook-h100 counted by the memory plan (no nanotron count), with grads_held set."""
-    return with_traits(playbook(), memory=None, grads_held=held)
+    return playbook().with_traits(memory=None, grads_held=held)
 
 
 @pytest.mark.parametrize("micro, apart", [(1, True), (4, False)])
@@ -153,7 +148,7 @@ def test_nanotrons_loss_moves_52_bytes_a_logit_of_the_ranks_shard(tp):
     # torch ops against this project's Triton loss (6 bytes a logit, 12 a row, 4 a hidden
     # value), over the rank's (n, V/tp) shard of the logits
     config = config_for(dict(LLAMA_8B, gpus=32, dp=32 // tp, tp=tp, pp=1, zero=0, grad_acc=8))
-    ours, theirs = with_traits(playbook(), loss_path="picotron"), playbook()
+    ours, theirs = playbook().with_traits(loss_path="picotron"), playbook()
     assert theirs.traits["loss_path"] == "nanotron"
     n, V, C = 4096, 131072 // tp, 4096
     extra = (52 * n * V - (6 * n * V + 12 * n + 4 * n * C)) / ours["hbm_bytes_per_s"]

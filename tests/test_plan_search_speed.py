@@ -4,7 +4,6 @@ batch) predicts exactly what step_time.predict says of each config alone: every 
 prediction to the last bit, the same refusals counted alike, the same ranking, the same
 timelines; and a search shared with a forked process gives what one process does.
 bench/plan_search_speed.py times it."""
-import dataclasses
 import os
 
 import pytest
@@ -30,7 +29,7 @@ def raw_config(model: dict, seq: int) -> dict:
 
 def ticks(profile):
     """The profile with the pipeline run in this project's ticks (pipeline_sim.py)."""
-    return dataclasses.replace(profile, traits={**profile.traits, "pp_mode": "ticks"})
+    return profile.with_traits(pp_mode="ticks")
 
 
 def outcome(result) -> tuple:

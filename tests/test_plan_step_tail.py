@@ -4,7 +4,6 @@ follows the backward; each bucket pays its ring's latency, where a trainer that 
 reducing reduces all at once after the backward; and a tied embedding under a pipeline is
 summed across the pipeline's two ends. Each is checked against the collective it stands
 for. CPU only: the model is arithmetic."""
-import dataclasses
 
 import pytest
 
@@ -20,10 +19,6 @@ from picotron.plan.step_tail import (after_backward, embedding_rows, rank_collec
 ROW = dict(layers=16, hidden=2048, heads=32, kv_heads=32, ffn=8192, vocab=131072, tied=1,
            seq=4096, gpus=64, gpus_per_node=8, dp=16, tp=2, pp=2, cp=1, zero=0, mbs=1,
            grad_acc=8)
-
-
-def with_traits(profile, **traits):
-    return dataclasses.replace(profile, traits={**profile.traits, **traits})
 
 
 def tail(config, profile, rank, last_backward=10.0):
@@ -79,7 +74,7 @@ def test_each_bucket_pays_its_ring_steps_between_nodes(zero, steps):
     # ZeRO-0 all-reduces each bucket (2 (k-1) steps), this project's ZeRO-1 reduce-scatters
     # it (k-1 steps)
     config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=zero))
-    profile = with_traits(load_profile("playbook-h100"), zero1_reduce="reduce_scatter")
+    profile = load_profile("playbook-h100").with_traits(zero1_reduce="reduce_scatter")
     links, groups = Links(profile), layout_groups(config, profile, 8)
     rank = rank_params(config, 0)
     reduce = rank_collectives(config, profile, links, groups, rank)[0]

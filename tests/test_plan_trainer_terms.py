@@ -4,7 +4,6 @@ leave free, a micro-batch's host
 cost, a pipeline send's hand-shake, and a ring's latency across nodes. Each
 is checked against the model's own parts with the term set and unset, so a term that stopped
 reaching the prediction fails here. CPU only: the model is arithmetic."""
-import dataclasses
 
 import pytest
 
@@ -25,7 +24,7 @@ def plain_profile():
     """playbook-h100 with every trainer term at this project's value, its memory the memory
     plan's (not nanotron's own count: tests/test_plan_nanotron_memory.py)."""
     profile = load_profile("playbook-h100").with_numbers(**PLAIN)
-    return dataclasses.replace(profile, traits={**profile.traits, "memory": None})
+    return profile.with_traits(memory=None)
 
 
 def test_this_projects_profile_reports_the_memory_plans_estimate():

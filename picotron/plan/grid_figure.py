@@ -15,7 +15,8 @@ from xml.sax.saxutils import escape
 from picotron.config.overrides import parse_flags
 from picotron.process_group_manager import AXES, coordinates, group_ranks
 
-BOX_W, BOX_H, GAP, MARGIN, LABEL = 112, 46, 40, 20, 90   # pixels: a rank, between blocks, edges, row labels
+# pixels: a rank's box, the gap between blocks, the edges, the row labels
+BOX_W, BOX_H, GAP, MARGIN, LABEL = 112, 46, 40, 20, 90
 COLORS = {"tp": "#d9ead3", "pp": "#c9daf8", "cp": "#fce5cd", "dp": "#ead1dc"}
 MEANING = {"tp": "tensor parallel: shards of every weight matrix; two all-reduces per layer",
            "pp": "pipeline: consecutive stages; activations forward, gradients back",

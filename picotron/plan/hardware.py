@@ -125,6 +125,11 @@ class Profile:
             raise KeyError(f"not numbers of profile {self.name}: {unknown}")
         return dataclasses.replace(self, numbers={**self.numbers, **changes})
 
+    def with_traits(self, **changes) -> "Profile":
+        """The same profile with some of its trainer's traits changed or added (a test's
+        other trainer)."""
+        return dataclasses.replace(self, traits={**self.traits, **changes})
+
 
 def known_profiles() -> list:
     return sorted(f[:-5] for f in os.listdir(HERE) if f.endswith(".json"))
