@@ -70,11 +70,16 @@ def test_the_tied_sum_crosses_a_node_only_when_the_pipeline_does():
 
 
 @pytest.mark.parametrize("zero, steps", [(0, 2), (1, 1)])
-def test_each_bucket_pays_its_ring_steps_between_nodes(zero, steps):
+@pytest.mark.parametrize("per_param, wire", [(4, "float32"), (4, "bfloat16"), (2, "float32")])
+def test_each_bucket_pays_its_ring_steps_between_nodes(zero, steps, per_param, wire):
     # ZeRO-0 all-reduces each bucket (2 (k-1) steps), this project's ZeRO-1 reduce-scatters
-    # it (k-1 steps)
+    # it (k-1 steps); a bucket holds bucket_size_mb of parameters at the trainer's bytes a
+    # parameter (this project's fp32 buffers, whatever the wire's dtype; torch DDP's bf16
+    # gradients), so the wire's dtype does not change their number
     config = config_for(dict(ROW, tied=0, pp=1, dp=32, zero=zero))
-    profile = load_profile("playbook-h100").with_traits(zero1_reduce="reduce_scatter")
+    config.distributed.grad_reduce_dtype = wire
+    profile = load_profile("playbook-h100").with_traits(zero1_reduce="reduce_scatter",
+                                                        bucket_bytes_per_param=per_param)
     links, groups = Links(profile), layout_groups(config, profile, 8)
     rank = rank_params(config, 0)
     reduce = rank_collectives(config, profile, links, groups, rank)[0]
@@ -83,7 +88,7 @@ def test_each_bucket_pays_its_ring_steps_between_nodes(zero, steps):
     no_latency = rank_collectives(config, no_latency, Links(no_latency), groups, rank)[0]
     size, g, k = groups["cp_dp"]
     assert (g, k) == (4, 8)
-    buckets = -(-rank.total * 4 // (25 * 2 ** 20))           # fp32 wire, 25 MB buckets
+    buckets = -(-rank.total * per_param // (25 * 2 ** 20))          # 25 MB buckets
     assert buckets > 10
     assert reduce - no_latency == pytest.approx(buckets * steps * (k - 1) * latency)
 
@@ -133,7 +138,8 @@ def test_the_step_ends_collectives_step_at_the_networks_latency_not_a_layers(zer
         later = profile.with_numbers(dp_latency_s=profile["dp_latency_s"] + 1.0)
         # ZeRO-0: its buckets' all-reduces, 2 (k-1) steps each; nanotron's ZeRO-1: one
         # all-reduce (2 (k-1)) and the gather (k-1); the tied sum: 2 steps between 2 nodes
-        buckets = -(-rank_params(config, rank).total * 4 // (25 * 2 ** 20))
+        # nanotron's DDP buckets: 25 MB of bf16 gradients
+        buckets = -(-rank_params(config, rank).total * 2 // (25 * 2 ** 20))
         steps = buckets * 2 * (k - 1) if zero == 0 else 3 * (k - 1)
         assert tail(config, later, rank, last_backward=0.0) == pytest.approx(base + steps + 2)
 

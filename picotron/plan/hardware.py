@@ -81,6 +81,10 @@ TRAITS = {
                     "the backward (this project) or 'all_reduce' of the whole buffer after it "
                     "(nanotron, whose ZeRO runs without DDP's hooks: every rank gets all, keeps "
                     "its shard)",
+    "bucket_bytes_per_param": "the bytes a parameter counts toward bucket_size_mb: 4 (this "
+                              "project's fp32 gradient buffers, whatever the wire's dtype) or "
+                              "2 (torch DDP's bucket_cap_mb counts the bf16 gradients' bytes: "
+                              "nanotron's ZeRO-0)",
     "ddp_recv_stall": "the least micro-batches a step from which a ZeRO-0 pipeline with dp > 1 "
                       "(nanotron: under torch DDP) whose sends cross nodes waits stall_s on "
                       "each receive (ddp_stall.py); absent or 0: never",

@@ -80,7 +80,10 @@ def rank_collectives(config, profile, links, groups, rank, cache=None) -> tuple:
         op, after = links.all_gather, rank.root * wire
     reduce, bucket = op(after, shape), None
     if in_buckets:
-        size = d.bucket_size_mb * 2 ** 20
+        # a bucket's bytes on the wire: bucket_size_mb counts each parameter at the trainer's
+        # bytes (this project's fp32 buffers: 4; torch DDP's bf16 gradients: 2)
+        per_param = profile.traits.get("bucket_bytes_per_param", 4)
+        size = d.bucket_size_mb * 2 ** 20 / per_param * wire
         # the embedding's gradient comes last (its lookup's backward ends the pass) and fills
         # a bucket of its own when larger than one: its reduction follows the backward
         bucket = op(min(after, max(size, embedding_rows(config, rank) * wire)), shape)
