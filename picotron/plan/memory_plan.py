@@ -59,15 +59,18 @@ def rank_estimate(config, pp_rank: int) -> Estimate:
 
     def total(when):
         return sum(r.bytes for r in rows if r.when == when)
-    # Under CUDA graphs the layers' activations live in the graphs' private pool, whose blocks
-    # the eager work at the step's end (gradient buffers, AdamW) cannot reuse: both are held.
-    if config.training.cuda_graphs is True:
-        device = total("held") + total("forward") + total("step")
-        rule = "held + forward + step: CUDA graphs"
-    else:
-        device = total("held") + max(total("forward"), total("step"))
-        rule = "held + max(forward, step)"
-    return Estimate(rows, device, total("host"), pp_rank, rule)
+    graphs = config.training.cuda_graphs is True
+    rule = "held + forward + step: CUDA graphs" if graphs else "held + max(forward, step)"
+    return Estimate(rows, device_bytes(total("held"), total("forward"), total("step"), graphs),
+                    total("host"), pp_rank, rule)
+
+
+def device_bytes(held, forward, step, graphs: bool):
+    """A rank's peak on the device from its bytes held all step, at the forward's end and at
+    the step's end: held + max(forward, step); under CUDA graphs the layers' activations live
+    in the graphs' private pool, whose blocks the eager work at the step's end (gradient
+    buffers, AdamW) cannot reuse, so both are held."""
+    return held + forward + step if graphs else held + max(forward, step)
 
 
 def estimate(config) -> Estimate:

@@ -8,7 +8,7 @@ The keys name those values; tests/test_plan_search_speed.py holds a search's pre
 with the cache to the ones without it.
 """
 from picotron.plan.memory_activations import activation_rows, virtual_stages
-from picotron.plan.memory_plan import has_auto
+from picotron.plan.memory_plan import device_bytes, has_auto
 from picotron.plan.memory_state import rank_params, state_rows
 
 
@@ -138,8 +138,7 @@ def cached_memory(config, cache, grads_held: bool = False) -> list:
         held, forward, step = s["held"], a["forward"], s["step"]
         if grads_held:
             held, step = held + s["grads at step"], step - s["grads at step"]
-        sums.append((held, held + forward + step if graphs else held + (
-            forward if forward >= step else step)))
+        sums.append((held, device_bytes(held, forward, step, graphs)))
     return sums
 
 
@@ -158,6 +157,6 @@ def _summed_memory(config) -> list:
         rows = state_rows(config, rank_params(config, r)) + activation_rows(config, r)
         held, forward, step = (sum(row.bytes for row in rows if row.when == when)
                                for when in ("held", "forward", "step"))
-        sums.append((held, held + forward + step if config.training.cuda_graphs is True
-                     else held + max(forward, step)))
+        sums.append((held, device_bytes(held, forward, step,
+                                        config.training.cuda_graphs is True)))
     return sums

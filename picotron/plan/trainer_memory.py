@@ -14,7 +14,7 @@ import copy
 
 from picotron.config import resolve_auto
 from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_plan import GPU_RESERVED, has_auto, rank_estimate
+from picotron.plan.memory_plan import GPU_RESERVED, device_bytes, has_auto, rank_estimate
 from picotron.plan.memory_state import GiB
 from picotron.plan.nanotron_memory import busiest_need
 
@@ -46,12 +46,12 @@ def counts_nanotron(config, profile) -> bool:
 def rank_sums(config, profile) -> list:
     """[(held, device bytes)] of the memory plan's estimate of each pipeline rank, as the
     profile's trainer holds them (grads_held_apart): the ranks that can be the busiest, the
-    last pipeline rank's last."""
-    if grads_held_apart(config, profile):
-        return grads_held_memory(config)
+    last pipeline rank's last. "auto" options count as what they resolve to, on a copy."""
     if has_auto(config):
         config = copy.deepcopy(config)
         resolve_auto(config)
+    if grads_held_apart(config, profile):
+        return grads_held_memory(config)
     return [held_and_device_of(rank_estimate(config, r))
             for r in range(config.distributed.pp_size)]
 
@@ -76,10 +76,7 @@ def grads_held_apart(config, profile) -> bool:
 
 def grads_held_memory(config) -> list:
     """rank_sums with the gradient buffers held, the plan's rule otherwise
-    (memory_plan.rank_estimate)."""
-    if has_auto(config):
-        config = copy.deepcopy(config)
-        resolve_auto(config)
+    (memory_plan.rank_estimate), of a config with no "auto" left."""
     graphs, pp, ranks_sums = config.training.cuda_graphs is True, config.distributed.pp_size, []
     # at one micro-batch every rank holds one in flight: the ranks differ only by their ends
     # and by a layer more or less, so the first two and the last two stand for all
@@ -91,7 +88,7 @@ def grads_held_memory(config) -> list:
             when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
             sums[when] = sums.get(when, 0) + row.bytes
         held, forward, step = (sums.get(w, 0) for w in ("held", "forward", "step"))
-        ranks_sums.append((held, held + (forward + step if graphs else max(forward, step))))
+        ranks_sums.append((held, device_bytes(held, forward, step, graphs)))
     return ranks_sums
 
 
