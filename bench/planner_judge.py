@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from picotron.errors import ConfigError  # noqa: E402
-from picotron.plan.layouts import config_for  # noqa: E402
+from picotron.plan.hardware import load_profile  # noqa: E402
+from picotron.plan.layouts import as_trainer_ran, config_for  # noqa: E402
 from picotron.plan.step_time import predict  # noqa: E402
 
 DATA = os.path.join(ROOT, "bench", "planner_data", "calibration.csv")
@@ -32,18 +33,18 @@ GOALS = {"picks": 0.8, "spearman": 0.8, "error": 0.15, "fit": 0.95}
 def load_runs(path=DATA):
     """[(row, Config)] of every row the config accepts, and the count of those it refuses (a
     pipeline deeper than the layers) or that contradict themselves (dp x mbs x grad_acc is
-    not their global batch `gbs`: 20 rows of the figure). nanotron's REDUCE_SCATTER mode is
-    sequence parallelism; it was on wherever tp > 1."""
+    not their global batch `gbs`: 20 rows of the figure). Each row is read as `score` reads
+    it under playbook-h100 (layouts.as_trainer_ran: nanotron's REDUCE_SCATTER mode is
+    sequence parallelism)."""
     runs, refused = [], 0
+    nanotron = load_profile("playbook-h100")
     with open(path) as f:
         for row in csv.DictReader(f):
             if int(row["dp"]) * int(row["mbs"]) * int(row["grad_acc"]) != int(row["gbs"]):
                 refused += 1
                 continue
-            layout = dict(row, **{"distributed.sequence_parallel":
-                                  "true" if int(row["tp"]) > 1 else "false"})
             try:
-                runs.append((row, config_for(layout)))
+                runs.append((row, config_for(as_trainer_ran(row, nanotron))))
             except ConfigError:
                 refused += 1
     return runs, refused

@@ -1,15 +1,22 @@
 """`python -m picotron.plan search | score` (picotron/plan/__main__.py): score keeps every CSV
 column and gives a refused row the config's reason, and a row past the memory its reason and
-how it is timed; bad input ends in one line naming the fix (missing columns all named, a row
-that is not a layout, an unknown profile, a model not found)."""
+how it is timed; it reads a row without a setting as the profile's trainer ran it; bad input
+ends in one line naming the fix (missing columns all named, a row that is not a layout, an
+unknown profile, a model not found)."""
 import csv
+import os
 
 import pytest
 
 from picotron.errors import ConfigError
 from picotron.plan.__main__ import main
+from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import LAYOUT_COLUMNS, config_for
 from picotron.plan.score import PRED_COLUMNS
+from picotron.plan.step_time import predict
+
+CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                           "planner_data", "calibration.csv")
 
 ROW = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
        "tied": 0, "seq": 64, "gpus": 4, "gpus_per_node": 8, "dp": 2, "tp": 2, "pp": 1, "cp": 1,
@@ -68,6 +75,34 @@ def test_a_row_past_the_memory_says_why_and_how_it_is_timed(tmp_path, capsys):
     assert past["pred_fits"] == "0" and fits["pred_fits"] == "1" and fits["pred_note"] == ""
     assert "GiB per GPU" in past["pred_note"] and "over_memory_speed" in past["pred_note"]
     assert float(past["pred_tok_s_gpu"]) > 0
+
+
+def test_score_reads_the_playbooks_runs_as_nanotron_ran_them(tmp_path, capsys):
+    # the Playbook's rows at tp 2-8, with the layout columns alone: nanotron ran its tensor
+    # parallelism in REDUCE_SCATTER mode, sequence parallelism (playbook-h100's trait
+    # layout_defaults), as the calibration report reads them; this project's default is off
+    with open(CALIBRATION, newline="") as f:
+        runs = [r for r in csv.DictReader(f) if int(r["tp"]) in (2, 4, 8)]
+    rows = runs[::len(runs) // 12][:12]
+    assert {r["model"] for r in rows} == {"1B", "8B"}
+    profile = load_profile("playbook-h100")
+    told_off = [dict(r, **{"distributed.sequence_parallel": "false"}) for r in rows]
+    scored = {}
+    for name, table in (("plain", rows), ("off", told_off)):
+        write_csv(tmp_path / f"{name}.csv", table,
+                  LAYOUT_COLUMNS + (["distributed.sequence_parallel"] if name == "off" else []))
+        main(["score", "--layouts", str(tmp_path / f"{name}.csv"), "--hardware",
+              "playbook-h100", "--out", str(tmp_path / f"{name}_out.csv")])
+        with open(tmp_path / f"{name}_out.csv", newline="") as f:
+            scored[name] = list(csv.DictReader(f))
+    for row, plain, off in zip(rows, scored["plain"], scored["off"]):
+        for out, parallel in ((plain, True), (off, False)):    # a column the row gives wins
+            want = predict(config_for(dict(row, **{"distributed.sequence_parallel": parallel})),
+                           profile, 8)
+            assert float(out["pred_tok_s_gpu"]) == pytest.approx(want.tok_s_gpu, abs=0.06)
+            assert float(out["pred_mem_gib"]) == pytest.approx(want.mem_gib, rel=1e-3)
+        # unsharded norms and residuals: more memory on every one of these rows
+        assert float(off["pred_mem_gib"]) > float(plain["pred_mem_gib"])
 
 
 def test_a_csv_missing_columns_names_them_all(tmp_path, capsys):

@@ -96,6 +96,9 @@ TRAITS = {
     "loss_path": "whose loss the head's traffic counts: 'nanotron' (its fp32 cross-entropy in "
                  "torch ops, 52 B a logit: traffic.nanotron_loss_terms); else this project's "
                  "Triton loss",
+    "layout_defaults": "config keys ({'section.key': value}) the trainer ran every layout "
+                       "with: score reads a row without that column as the trainer ran it, "
+                       "as the fit read its runs (layouts.as_trainer_ran)",
     "measured": "the layout knobs' values the runs it was fit to had, {knob: [values]} by the "
                 "search's short names; elsewhere its numbers are assumed, and the search and "
                 "--auto_layout say so (unmeasured)",

@@ -78,6 +78,15 @@ def _layout_dict(raw: dict, layout: dict) -> dict:
     return raw
 
 
+def as_trainer_ran(row: dict, profile) -> dict:
+    """`row` with the config keys the profile's trainer ran every layout with (its trait
+    layout_defaults, `section.key` -> value) where the row does not set them: a table of
+    layouts is read as the trainer whose runs fit the profile ran them (nanotron's tensor
+    parallelism, REDUCE_SCATTER mode, is sequence parallelism; this project's default is
+    off), and a column the row gives wins."""
+    return {**profile.traits.get("layout_defaults", {}), **row}
+
+
 def config_for(row: dict, use_cpu: bool = False) -> Config:
     """The Config of one layout row (LAYOUT_COLUMNS, optionally OPTIONAL_COLUMNS and
     `section.key` columns). A row the config refuses raises its ConfigError unchanged; a

@@ -11,7 +11,7 @@ or a row that is not a layout (a size that is not a number), ends in one line na
 import csv
 
 from picotron.errors import ConfigError
-from picotron.plan.layouts import LAYOUT_COLUMNS, config_for
+from picotron.plan.layouts import LAYOUT_COLUMNS, as_trainer_ran, config_for
 
 PRED_COLUMNS = ("pred_tok_s_gpu", "pred_step_s", "pred_mem_gib", "pred_fits", "pred_note")
 
@@ -40,9 +40,11 @@ def read_layouts(path: str) -> tuple:
 
 
 def score_row(row: dict, profile, predict) -> dict:
-    """The prediction columns of one row; a ConfigError ends in one line (row not a layout)."""
+    """The prediction columns of one row, read as the profile's trainer ran it (a key the
+    row does not set: layouts.as_trainer_ran); a ConfigError ends in one line (row not a
+    layout)."""
     try:
-        config = config_for(row)
+        config = config_for(as_trainer_ran(row, profile))
     except ConfigError as e:         # a layout the config refuses: its reason, unchanged
         return {"pred_tok_s_gpu": "", "pred_step_s": "", "pred_mem_gib": "", "pred_fits": 0,
                 "pred_note": one_line(e)}
