@@ -120,6 +120,20 @@ def test_a_row_that_is_not_a_layout(tmp_path, capsys):
     assert "line 3 is not a layout" in err and "'mbs'" in err
 
 
+def test_tied_reads_one_and_zero_or_true_and_false(tmp_path, capsys):
+    rows = [{**ROW, "tied": tied} for tied in (1, "true", "TRUE", 0, "false")]
+    write_csv(tmp_path / "in.csv", rows)
+    main(["score", "--layouts", str(tmp_path / "in.csv"), "--hardware", "h200",
+          "--out", str(tmp_path / "out.csv")])
+    with open(tmp_path / "out.csv", newline="") as f:
+        memory = [r["pred_mem_gib"] for r in csv.DictReader(f)]
+    assert memory[0] == memory[1] == memory[2] != memory[3] == memory[4]
+    write_csv(tmp_path / "in.csv", [ROW, {**ROW, "tied": "yes"}])
+    err = one_error_line(capsys, ["score", "--layouts", str(tmp_path / "in.csv"),
+                                  "--out", str(tmp_path / "out.csv")])
+    assert "line 3 is not a layout" in err and "'tied'" in err
+
+
 def test_an_unknown_profile_lists_the_known_ones(tmp_path, capsys):
     write_csv(tmp_path / "in.csv", [ROW])
     err = one_error_line(capsys, ["score", "--layouts", str(tmp_path / "in.csv"),

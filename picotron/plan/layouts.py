@@ -43,6 +43,16 @@ def _int(column, value) -> int:
     return int(number)
 
 
+def _tied(value) -> bool:
+    """The `tied` cell: 1 or 0, or true or false (any case); a ValueError names the column."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    number = _int("tied", value)
+    if number not in (0, 1):
+        raise ValueError(f"column 'tied' must be 1 or 0 (or true or false), got {value!r}")
+    return bool(number)
+
+
 def _cell(value):
     """A `section.key` cell: JSON when it parses (true, 4, 0.5), else the string itself."""
     if not isinstance(value, str):
@@ -97,8 +107,7 @@ def config_for(row: dict, use_cpu: bool = False) -> Config:
                          f"of {' '.join(LAYOUT_COLUMNS)}")
     raw = Config().to_dict()
     for column, key in MODEL_KEYS.items():
-        value = _int(column, row[column])
-        raw["model"][key] = bool(value) if column == "tied" else value
+        raw["model"][key] = _tied(row[column]) if column == "tied" else _int(column, row[column])
     raw["model"]["name"] = row.get("model") or "layout"
     raw["distributed"]["use_cpu"] = use_cpu
     if use_cpu:
