@@ -7,6 +7,8 @@
     spearman  rank correlation of predicted and measured tokens/s over the cell's runs that ran
     |p/m-1|   median relative error of the predicted tokens/s over those runs
     fit%      share of the runs that ran that the planner predicts to fit
+and, beside them, `near`: how many of the cell's runs that ran are within 10% of its best, the
+runs a pick can hit (1 where a single run, far faster than its like, decides the cell)
 
 The goals: the pick within 10% in at least 80% of the cells, a median spearman of at least
 0.8, a median error of at most 15%, and at least 95% of the runs that ran predicted to fit.
@@ -72,7 +74,8 @@ def spearman(a, b) -> float:
 
 
 def judge(profile, runs):
-    """[(model, nodes, pick share, ok, spearman, median |p/m-1|, fit share, ran rows)]."""
+    """[(model, nodes, pick share, ok, spearman, median |p/m-1|, fit share, ran rows, runs
+    within 10% of the best)]."""
     cells = defaultdict(list)
     for (row, _), q in zip(runs, predictions(profile, runs)):
         cells[(row["model"], int(row["nodes"]))].append((row, q))
@@ -90,7 +93,8 @@ def judge(profile, runs):
         rho = spearman(pred, meas) if len(ran) > 2 else float("nan")
         err = float(np.median([abs(p / m - 1) for p, m in zip(pred, meas)]))
         share = sum(q.fits for _, q in ran) / len(ran)
-        out.append((model, nodes, got / best, got >= 0.9 * best, rho, err, share, len(ran)))
+        near = sum(m >= 0.9 * best for m in meas)
+        out.append((model, nodes, got / best, got >= 0.9 * best, rho, err, share, len(ran), near))
     return out
 
 
@@ -104,10 +108,10 @@ def summary(cells) -> dict:
 
 def report(title, cells) -> list:
     lines = [f"{title}", f"  {'model':5s} {'nodes':>5s} {'rows':>4s} {'pick':>6s} {'ok':>3s} "
-                         f"{'spearman':>8s} {'|p/m-1|':>7s} {'fit%':>5s}"]
-    for model, nodes, pick, ok, rho, err, share, n in cells:
+                         f"{'spearman':>8s} {'|p/m-1|':>7s} {'fit%':>5s} {'near':>4s}"]
+    for model, nodes, pick, ok, rho, err, share, n, near in cells:
         lines.append(f"  {model:5s} {nodes:5d} {n:4d} {pick:6.2f} {'ok' if ok else '--':>3s} "
-                     f"{rho:8.2f} {err:7.2f} {100 * share:5.0f}")
+                     f"{rho:8.2f} {err:7.2f} {100 * share:5.0f} {near:4d}")
     s = summary(cells)
     met = {k: (s[k] <= GOALS[k] if k == "error" else s[k] >= GOALS[k]) for k in GOALS}
     lines.append(f"  picks within 10% of the best: {sum(c[3] for c in cells)}/{len(cells)} "
