@@ -86,17 +86,18 @@ def test_score_reads_the_playbooks_runs_as_nanotron_ran_them(tmp_path, capsys):
     rows = runs[::len(runs) // 12][:12]
     assert {r["model"] for r in rows} == {"1B", "8B"}
     profile = load_profile("playbook-h100")
-    told_off = [dict(r, **{"distributed.sequence_parallel": "false"}) for r in rows]
+    told = {"off": "false", "blank": ""}          # a blank cell sets nothing
     scored = {}
-    for name, table in (("plain", rows), ("off", told_off)):
+    for name in ("plain", "off", "blank"):
+        table = [dict(r, **{"distributed.sequence_parallel": told.get(name)}) for r in rows]
         write_csv(tmp_path / f"{name}.csv", table,
-                  LAYOUT_COLUMNS + (["distributed.sequence_parallel"] if name == "off" else []))
+                  LAYOUT_COLUMNS + (["distributed.sequence_parallel"] if name in told else []))
         main(["score", "--layouts", str(tmp_path / f"{name}.csv"), "--hardware",
               "playbook-h100", "--out", str(tmp_path / f"{name}_out.csv")])
         with open(tmp_path / f"{name}_out.csv", newline="") as f:
             scored[name] = list(csv.DictReader(f))
-    for row, plain, off in zip(rows, scored["plain"], scored["off"]):
-        for out, parallel in ((plain, True), (off, False)):    # a column the row gives wins
+    for row, plain, off, blank in zip(rows, scored["plain"], scored["off"], scored["blank"]):
+        for out, parallel in ((plain, True), (blank, True), (off, False)):   # a cell given wins
             want = predict(config_for(dict(row, **{"distributed.sequence_parallel": parallel})),
                            profile, 8)
             assert float(out["pred_tok_s_gpu"]) == pytest.approx(want.tok_s_gpu, abs=0.06)

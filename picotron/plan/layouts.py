@@ -7,7 +7,8 @@ accepts, refused with the config's own message when it is not.
 
 A column named `section.key` (e.g. `distributed.cp_mode`, `distributed.sequence_parallel`)
 sets that key of the config as it is; its value is read as JSON when it parses (true, 4),
-else as a string. `pp_engine` may be `interleaved:V`, V model chunks per pipeline rank.
+else as a string, and a blank cell leaves the key as it was. `pp_engine` may be
+`interleaved:V`, V model chunks per pipeline rank.
 """
 import json
 
@@ -78,7 +79,7 @@ def _layout_dict(raw: dict, layout: dict) -> dict:
         raw["distributed"]["pp_virtual_stages"] = _int("pp_engine's V", chunks)
     raw["distributed"]["pp_engine"] = engine
     for column, value in layout.items():
-        if "." in column:
+        if "." in column and value not in ("", None):        # a blank cell sets nothing
             section, key = column.split(".", 1)
             raw.setdefault(section, {})[key] = _cell(value)
     # the positions the model is built for: at least the sequence trained on
@@ -93,8 +94,9 @@ def as_trainer_ran(row: dict, profile) -> dict:
     layout_defaults, `section.key` -> value) where the row does not set them: a table of
     layouts is read as the trainer whose runs fit the profile ran them (nanotron's tensor
     parallelism, REDUCE_SCATTER mode, is sequence parallelism; this project's default is
-    off), and a column the row gives wins."""
-    return {**profile.traits.get("layout_defaults", {}), **row}
+    off), and a cell the row fills wins."""
+    given = {column: value for column, value in row.items() if value not in ("", None)}
+    return {**row, **profile.traits.get("layout_defaults", {}), **given}
 
 
 def config_for(row: dict, use_cpu: bool = False) -> Config:
