@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 from picotron.errors import ConfigError  # noqa: E402
 from picotron.plan.hardware import load_profile  # noqa: E402
-from picotron.plan.layouts import as_trainer_ran, config_for  # noqa: E402
+from picotron.plan.layouts import as_trainer_ran, batch_contradiction, config_for  # noqa: E402
 from picotron.plan.step_time import predict  # noqa: E402
 
 DATA = os.path.join(ROOT, "bench", "planner_data", "calibration.csv")
@@ -42,7 +42,7 @@ def load_runs(path=DATA):
     nanotron = load_profile("playbook-h100")
     with open(path) as f:
         for row in csv.DictReader(f):
-            if int(row["dp"]) * int(row["mbs"]) * int(row["grad_acc"]) != int(row["gbs"]):
+            if batch_contradiction(row):
                 refused += 1
                 continue
             try:

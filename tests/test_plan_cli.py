@@ -135,6 +135,19 @@ def test_tied_reads_one_and_zero_or_true_and_false(tmp_path, capsys):
     assert "line 3 is not a layout" in err and "'tied'" in err
 
 
+def test_a_row_whose_batch_contradicts_itself_is_not_scored(tmp_path, capsys):
+    # gbs (sequences a step), where a table states it, must be dp x mbs x grad_acc (2 x 2 x 1)
+    rows = [{**ROW, "gbs": 4}, {**ROW, "gbs": 256}, {**ROW, "gbs": ""}]
+    write_csv(tmp_path / "in.csv", rows)
+    main(["score", "--layouts", str(tmp_path / "in.csv"), "--hardware", "h200",
+          "--out", str(tmp_path / "out.csv")])
+    with open(tmp_path / "out.csv", newline="") as f:
+        agrees, contradicts, blank = list(csv.DictReader(f))
+    assert agrees["pred_fits"] == blank["pred_fits"] == "1" and agrees["pred_note"] == ""
+    assert contradicts["pred_fits"] == "0" and contradicts["pred_tok_s_gpu"] == ""
+    assert "dp x mbs x grad_acc = 4 sequences, gbs = 256" in contradicts["pred_note"]
+
+
 def test_an_unknown_profile_lists_the_known_ones(tmp_path, capsys):
     write_csv(tmp_path / "in.csv", [ROW])
     err = one_error_line(capsys, ["score", "--layouts", str(tmp_path / "in.csv"),

@@ -3,12 +3,13 @@ project's own Config built from it, so that every layout the planner scores is o
 accepts, refused with the config's own message when it is not.
 
     row: layers hidden heads kv_heads ffn vocab tied seq gpus gpus_per_node
-         dp tp pp cp zero mbs grad_acc   [recompute fp8 pp_engine]   [section.key ...]
+         dp tp pp cp zero mbs grad_acc   [recompute fp8 pp_engine gbs]   [section.key ...]
 
 A column named `section.key` (e.g. `distributed.cp_mode`, `distributed.sequence_parallel`)
 sets that key of the config as it is; its value is read as JSON when it parses (true, 4),
 else as a string, and a blank cell leaves the key as it was. `pp_engine` may be
-`interleaved:V`, V model chunks per pipeline rank.
+`interleaved:V`, V model chunks per pipeline rank. `gbs`, the sequences of a step where a
+table states them, must be dp x mbs x grad_acc (batch_contradiction).
 """
 import json
 
@@ -87,6 +88,20 @@ def _layout_dict(raw: dict, layout: dict) -> dict:
     raw["model"]["max_position_embeddings"] = max(raw["model"]["max_position_embeddings"], seq)
     raw["dataset"]["name"] = "synthetic"                # a plan reads no data
     return raw
+
+
+def batch_contradiction(row: dict) -> str:
+    """Why a row whose optional `gbs` column (sequences a step) is not its dp x mbs x grad_acc
+    does not describe one run, or '' (no gbs, a blank one, or the two agree): which of its
+    numbers is wrong, the row cannot tell."""
+    if row.get("gbs") in (None, ""):
+        return ""
+    sequences = _int("dp", row["dp"]) * _int("mbs", row["mbs"]) * _int("grad_acc", row["grad_acc"])
+    stated = _int("gbs", row["gbs"])
+    if sequences == stated:
+        return ""
+    return (f"the row's batch contradicts itself: dp x mbs x grad_acc = {sequences} sequences, "
+            f"gbs = {stated}; fix whichever is wrong")
 
 
 def as_trainer_ran(row: dict, profile) -> dict:

@@ -4,14 +4,16 @@ kept, in its order, plus the predictions (PRED_COLUMNS); a row the config refuse
 pred_fits 0 and the config's reason in pred_note; one that does not fit the memory, pred_fits
 0, the memory's reason, and its time at the profile's over_memory_speed.
 
-IN.csv's columns: layouts.LAYOUT_COLUMNS, optionally layouts.OPTIONAL_COLUMNS and any
-`section.key` column (layouts.py says how each is read). A file without some of the columns,
+IN.csv's columns: layouts.LAYOUT_COLUMNS, optionally layouts.OPTIONAL_COLUMNS, `gbs` and any
+`section.key` column (layouts.py says how each is read); a row whose gbs is not its dp x mbs x
+grad_acc gets pred_fits 0 and both numbers in pred_note. A file without some of the columns,
 or a row that is not a layout (a size that is not a number), ends in one line naming them.
 """
 import csv
 
 from picotron.errors import ConfigError
-from picotron.plan.layouts import LAYOUT_COLUMNS, as_trainer_ran, config_for
+from picotron.plan.layouts import (LAYOUT_COLUMNS, as_trainer_ran, batch_contradiction,
+                                   config_for)
 
 PRED_COLUMNS = ("pred_tok_s_gpu", "pred_step_s", "pred_mem_gib", "pred_fits", "pred_note")
 
@@ -43,7 +45,10 @@ def score_row(row: dict, profile, predict) -> dict:
     """The prediction columns of one row, read as the profile's trainer ran it (a key the
     row does not set: layouts.as_trainer_ran); a ConfigError ends in one line (row not a
     layout)."""
+    contradiction = batch_contradiction(row)
     try:
+        if contradiction:            # not one run: its layout and its batch disagree
+            raise ConfigError(contradiction)
         config = config_for(as_trainer_ran(row, profile))
     except ConfigError as e:         # a layout the config refuses: its reason, unchanged
         return {"pred_tok_s_gpu": "", "pred_step_s": "", "pred_mem_gib": "", "pred_fits": 0,
