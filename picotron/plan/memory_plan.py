@@ -136,8 +136,7 @@ def memory_warning(config, device_memory, host_memory, ranks_per_host: int = 1) 
     return (f"warning: the memory estimate ({need / GiB:.1f} GiB {where}) leaves less than "
             f"{MARGIN:.0%} of the {has / GiB:.1f} GiB{_usable(on_device)} to spare, and "
             f"estimates have measured up to {MEASURED_LOW:.0%} below the peak: this run may "
-            f"run out of memory. These "
-            f"would leave {MARGIN:.0%}: "
+            f"run out of memory. These would leave {MARGIN:.0%}: "
             f"{_fixes(config, device_memory, host_memory, ranks_per_host)}")
 
 

@@ -45,14 +45,15 @@ def score_row(row: dict, profile, predict) -> dict:
     """The prediction columns of one row, read as the profile's trainer ran it (a key the
     row does not set: layouts.as_trainer_ran); a ConfigError ends in one line (row not a
     layout)."""
-    contradiction = batch_contradiction(row)
-    try:
-        if contradiction:            # not one run: its layout and its batch disagree
-            raise ConfigError(contradiction)
-        config = config_for(as_trainer_ran(row, profile))
-    except ConfigError as e:         # a layout the config refuses: its reason, unchanged
+    refused = batch_contradiction(row)        # not one run: its layout and batch disagree
+    if not refused:
+        try:
+            config = config_for(as_trainer_ran(row, profile))
+        except ConfigError as e:              # a layout the config refuses: its reason
+            refused = one_line(e)
+    if refused:
         return {"pred_tok_s_gpu": "", "pred_step_s": "", "pred_mem_gib": "", "pred_fits": 0,
-                "pred_note": one_line(e)}
+                "pred_note": refused}
     p = predict(config, profile, int(float(row["gpus_per_node"])))
     note = p.note
     if p.parts.get("memory_pressure", 0.0) > 0:     # the time of a run past its memory
