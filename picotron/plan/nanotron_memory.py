@@ -8,9 +8,13 @@ memory = "nanotron" (trainer_memory.py applies the profile's factors and margin)
 
 held: what lives all step, per parameter of the rank (its blocks by stage_split.py's split
   by compute): the bf16 weights (2 B); the fp32 gradient accumulator, whole even under ZeRO-1
-  (4 B: FP32GradientAccumulator's grad_buckets_named_params); torch DDP's bf16 bucket buffers
-  when dp > 1 (2 B: the reducer allocates them at wrap time); and per parameter of the rank's
-  ZeRO shard the fp32 master copy and AdamW's two fp32 moments (12 B / dp under ZeRO-1).
+  (4 B: FP32GradientAccumulator's grad_buckets_named_params); when dp > 1, 2 B of bf16 buffers:
+  under ZeRO-0 torch DDP's buckets (the reducer allocates them at wrap time), under ZeRO-1,
+  which nanotron does not wrap in DDP, the flat buffers its all_gather_coalesced gathers the
+  updated parameters into after the step, one per dp rank's shard (the caching allocator
+  keeps their segment; the gather's input copy, 2 B / dp, is left out: counting it fits the
+  runs no better); and per parameter of the rank's ZeRO shard the fp32 master copy and
+  AdamW's two fp32 moments (12 B / dp under ZeRO-1).
 rest: at the busier of two moments, with the others in flight alongside: the end of a forward
   (that micro-batch's activations, the head's logits counted apart) or the end of a backward
   (the bf16 gradients, 2 B a parameter, freed only after backward when the accumulator adds
