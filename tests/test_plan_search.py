@@ -10,6 +10,7 @@ import pytest
 
 from picotron.config import Config, ConfigError, config_from_dict
 from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES
+from picotron.plan.report import search_report
 from picotron.plan.search import LAYOUT_KEYS, fp8_options, search
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -171,3 +172,26 @@ def test_a_tensor_parallel_group_across_nodes_is_refused_as_a_launch_refuses_it(
     said = {m for layout, m in apart.refused_layouts if layout["tp"] == 2}
     assert said and all("tp_size=2 does not divide the 1 processes (GPUs) per node" in m
                         for m in said)
+
+
+def test_the_report_gives_a_memory_refusals_estimates_as_their_range():
+    # each layout that does not fit needs its own amount: the line counting them shows the
+    # least and greatest of them, not the first layout's alone; a rule's integers stay the
+    # first message's
+    def needs_by_layout(config, profile, gpus_per_node):
+        d, t = config.distributed, config.training
+        need = 10.0 + 1.25 * d.dp_size + 0.5 * t.micro_batch_size
+        return types.SimpleNamespace(tok_s_gpu=1.0, mem_gib=need, fits=False, step_s=1.0,
+                                     note=f"needs an estimated {need:.1f} GiB per GPU, the GPU "
+                                          f"has 8.0 GiB usable", mfu=0.5, parts={})
+    result = search(base_raw(ODD), GPUS, SEQUENCES * SEQ, FP8_PROFILE,
+                    predict=needs_by_layout, keep_refused=True)
+    needs = sorted(float(m.split()[3]) for _, m in result.refused_layouts
+                   if m.startswith("needs an estimated"))
+    assert len(set(needs)) > 2
+    lines = search_report(result).splitlines()
+    count = sum(m.startswith("needs an estimated") for _, m in result.refused_layouts)
+    assert (f"  {count:>9,}  needs an estimated {needs[0]:.1f}-{needs[-1]:.1f} GiB per GPU, "
+            "the GPU has 8.0 GiB usable") in lines
+    heads = [k for k in result.refused if "num_attention_heads=N is not divisible" in k][0]
+    assert f"  {result.refused[heads]:>9,}  {result.examples[heads]}" in lines

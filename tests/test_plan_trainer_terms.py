@@ -13,6 +13,7 @@ from picotron.plan.layouts import config_for
 from picotron.plan.memory_plan import GPU_RESERVED, estimate
 from picotron.plan.memory_state import GiB
 from picotron.plan.step_time import predict
+from picotron.plan.trainer_memory import need_fit
 
 ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
            gpus=16, gpus_per_node=8, dp=2, tp=2, pp=2, cp=2, zero=1, mbs=2, grad_acc=4)
@@ -80,3 +81,15 @@ def test_a_layout_must_leave_the_profiles_margin_free_to_fit():
     assert predict(config, just_fits, 8).fits
     refused = predict(config, too_tight, 8)
     assert not refused.fits and "GiB usable" in refused.note
+
+
+def test_a_refusal_never_reads_as_needing_what_the_gpu_has():
+    # a need a hair over the room would print as the room itself at one decimal: the note
+    # rounds the need up and the room down
+    profile = plain_profile()
+    room = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
+    for over in (1, 0.04 * GiB, 0.06 * GiB, 3.3 * GiB):
+        gib, fits, note = need_fit(room + over, profile)
+        said = [float(w) for w in note.split() if w.replace(".", "", 1).isdigit()]
+        assert not fits and len(said) == 2 and said[0] > said[1]
+        assert said[0] - gib < 0.1 + 1e-9 and room / GiB - said[1] < 0.1 + 1e-9

@@ -1,15 +1,56 @@
 """What `python -m picotron.plan search` prints: the fastest layouts as a table, each step split
 into compute, exposed communication per axis and pipeline idle, then the refusals counted by
-reason; and the one-line name of a layout that create_config.py's --auto_layout prints.
+reason (search.py counts them by report.reason, the message with its numbers masked, and
+widens the memory's estimate of each reason); and the one-line name of a layout that
+create_config.py's --auto_layout prints.
 A row whose layout the profile's runs never had (hardware.unmeasured) is marked "*": its time
 rests on the profile's assumed numbers there.
 """
+import functools
+import re
+
 from picotron.plan.hardware import unmeasured
 
 # the step's parts the table shows, by the names step_time.Prediction.parts gives them
 PARTS = ("compute", "dp", "tp", "pp", "cp", "pipeline_idle")
 HEADER = ("#", "layout", "mbs x acc", "zero", "recompute", "fp8", "tok/s/GPU", "MFU",
           "GiB/GPU", "step s", "compute", "dp", "tp", "pp", "cp", "idle")
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+DECIMAL = re.compile(r"\d+\.\d+")
+
+
+@functools.lru_cache(maxsize=65536)
+def reason(message: str) -> str:
+    """A refusal's message with its numbers masked, so that layouts refused by one rule count
+    together ('tp_size=16' and 'tp_size=32' alike)."""
+    return NUMBER.sub("N", message)
+
+
+def widen(spans: dict, key: str, message: str) -> None:
+    """Stretch the reason's [least, greatest] of its first decimal number (a memory refusal's
+    estimate) to this message's; only the first, searched for alone, keeps a search of a few
+    hundred thousand layouts as fast."""
+    found = DECIMAL.search(message)
+    if found is None:
+        return
+    value, span = float(found.group()), spans.get(key)
+    if span is None:
+        spans[key] = [value, value]
+    elif value < span[0]:
+        span[0] = value
+    elif value > span[1]:
+        span[1] = value
+
+
+def spanned(example: str, span) -> str:
+    """The example message with its first decimal number shown as the range it took over the
+    reason's layouts ('needs an estimated 70.1-184.4 GiB per GPU'), where it varied."""
+    found = DECIMAL.search(example)
+    if not span or found is None or span[0] == span[1]:
+        return example
+    places = len(found.group().split(".")[1])
+    return (example[:found.start()] + f"{span[0]:.{places}f}-{span[1]:.{places}f}"
+            + example[found.end():])
 
 
 def layout_name(layout: dict) -> str:
@@ -49,7 +90,8 @@ def table(rows: list) -> str:
 
 def search_report(result, top: int = 10, profile=None) -> str:
     """The top `top` layouts (marked where `profile`'s runs never had them), then what was
-    refused and why (each reason with its first message), then how long the search took."""
+    refused and why (each reason with its first message, the memory's estimate in it as
+    its range over the reason's layouts), then how long the search took."""
     lines = []
     fits = len(result.ranked)
     refused = sum(result.refused.values())
@@ -66,7 +108,7 @@ def search_report(result, top: int = 10, profile=None) -> str:
         lines.append("no layout fits")
     lines.append(f"\n{fits:,} layouts fit; {refused:,} refused:")
     for key, count in result.refused.most_common():
-        lines.append(f"  {count:>9,}  {result.examples[key]}")
+        lines.append(f"  {count:>9,}  {spanned(result.examples[key], result.spans.get(key))}")
     lines.append(f"({result.considered:,} layouts judged in {result.seconds:.1f} s)")
     return "\n".join(lines)
 

@@ -28,9 +28,7 @@ from its memory alone (step_time.cached_fit: the same estimate), before its step
 Where the machine has a second core, a large search shares its grids with a forked process
 (share_work.py), each pp's grids in one of the two: the same result, in the same order.
 """
-import functools
 import gc
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ from picotron.config.presets import resolve_model
 from picotron.config.checks import CHECKPOINTING, CP_MODES, PP_ENGINES
 from picotron.plan.judge import LAYOUT_KEYS, grid_verdict, judge, knobs_in_range
 from picotron.plan.layouts import node_refusal
+from picotron.plan.report import reason, widen
 from picotron.plan.share_work import default_processes, share_work
 
 RECOMPUTE = tuple(c for c in CHECKPOINTING if c != "auto")
@@ -67,6 +66,9 @@ class SearchResult:
     seconds: float = 0.0
     refused_layouts: list = field(default_factory=list)   # (layout, message), when kept
     processes: int = 1      # that judged and scored them (share_work.py)
+    # reason -> [least, greatest] of the first decimal number in its messages: a memory
+    # refusal's estimate differs layout by layout (the rest is the first message's)
+    spans: dict = field(default_factory=dict)
 
 
 def divisors(n: int) -> list:
@@ -142,13 +144,6 @@ def grid_layouts(gpus: int, sequences: int, fixed: dict, base: dict, gpus_per_no
                 f"dp_size={grid['dp']} does not divide the global batch of {sequences} "
                 f"sequences: no micro-batch x accumulation makes it")
             yield {**grid, "cp_mode": mode}, why or node_refusal(grid, gpus, gpus_per_node)
-
-
-@functools.lru_cache(maxsize=65536)
-def reason(message: str) -> str:
-    """A refusal's message with its numbers masked, so that layouts refused by one rule count
-    together ('tp_size=16' and 'tp_size=32' alike)."""
-    return re.sub(r"\d+(\.\d+)?", "N", message)
 
 
 def search_raw(model_name: str, seq_len: int, overrides=()) -> dict:
@@ -248,6 +243,7 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
                 key = reason(outcome)
                 result.refused[key] += 1
                 result.examples.setdefault(key, outcome)
+                widen(result.spans, key, outcome)
                 if keep_refused:
                     result.refused_layouts.append((layout, outcome))
             else:

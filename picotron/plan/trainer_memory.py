@@ -11,6 +11,7 @@ The logits a trainer's loss keeps (mem_logit_bytes) are the head's: they count o
 pipeline rank only, as nanotron's count has them.
 """
 import copy
+import math
 
 from picotron.config import resolve_auto
 from picotron.plan.memory_activations import virtual_stages
@@ -120,5 +121,8 @@ def need_fit(need, profile, where: str = ""):
     usable = (profile["memory_gib"] * GiB - GPU_RESERVED) * (1 - profile["mem_margin"])
     if need <= usable:
         return need / GiB, True, ""
-    return need / GiB, False, (f"needs an estimated {need / GiB:.1f} GiB per GPU{where}, the "
-                               f"{profile.name} GPU has {usable / GiB:.1f} GiB usable")
+    # to a tenth of a GiB, the need rounded up and the room down: the note never reads as a
+    # layout refused for needing what the GPU has
+    return need / GiB, False, (
+        f"needs an estimated {math.ceil(need / GiB * 10) / 10:.1f} GiB per GPU{where}, the "
+        f"{profile.name} GPU has {math.floor(usable / GiB * 10) / 10:.1f} GiB usable")
