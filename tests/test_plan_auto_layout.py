@@ -3,12 +3,14 @@ flags given stay fixed, the written config is the search's top row for the same 
 and fixed knobs, the choice and the runner-up are printed, and a constraint no layout meets
 (or an --auto_layout flag without --auto_layout) ends in one line."""
 import json
+from collections import Counter
 
 import pytest
 
 import create_config
+from picotron.plan.auto_layout import nothing_fits
 from picotron.plan.hardware import load_profile
-from picotron.plan.search import LAYOUT_KEYS, search, search_raw
+from picotron.plan.search import LAYOUT_KEYS, SearchResult, search, search_raw
 
 GPUS, SEQ, TOKENS = 4, 64, 512          # the debug model, 8 sequences a step
 
@@ -83,3 +85,12 @@ def test_with_slurm_the_gpus_are_the_allocations(tmp_path, capsys):
     assert written["dp"] * written["tp"] * written["pp"] * written["cp"] == 4
     assert "auto_layout: 4 GPUs (2 per node" in capsys.readouterr().err
     assert (tmp_path / "auto" / "slurm.sh").is_file()
+
+
+def test_nothing_fits_says_the_memory_its_layouts_need_as_a_range():
+    key = "needs an estimated N GiB per GPU, the h200 GPU has N GiB usable"
+    result = SearchResult([], Counter({key: 12}), {key: key.replace("N", "90.5", 1).replace(
+        "N", "130.0")}, 12, spans={key: [90.5, 240.31]})
+    said = nothing_fits(4, {"tp": 1}, result)
+    assert ("no layout of 4 GPUs fits with tp=1: 12 of 12 refused because needs an estimated "
+            "90.5-240.3 GiB per GPU, the h200 GPU has 130.0 GiB usable") in said

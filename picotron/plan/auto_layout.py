@@ -12,7 +12,7 @@ the runner-up shares the winner's.
 import sys
 
 from picotron.config import ConfigError
-from picotron.plan.report import (describe, fastest_measured_line, runner_up_line,
+from picotron.plan.report import (describe, fastest_measured_line, runner_up_line, spanned,
                                   unmeasured_line)
 from picotron.plan.search import LAYOUT_KEYS, search
 
@@ -99,7 +99,8 @@ def nothing_fits(gpus: int, fixed: dict, result) -> str:
         key, count = result.refused.most_common(1)[0]
         return (f"no layout of {gpus} GPUs fits with {given}: {count:,} of "
                 f"{sum(result.refused.values()):,} refused because "
-                f"{' '.join(result.examples[key].split())}; free a knob or change it")
+                f"{' '.join(spanned(result.examples[key], result.spans.get(key)).split())}; "
+                f"free a knob or change it")
     sizes = [k for k in GRID if k in fixed]
     return (f"no layout of {gpus} GPUs has {given}: the sizes dp*tp*pp*cp must multiply to "
             f"--gpus {gpus}; give sizes that divide it, or fewer of {', '.join(sizes)}")
