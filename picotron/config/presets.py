@@ -103,8 +103,7 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
         raise ConfigError(f"--model_name '{name}' is not a preset; did you mean '{near}'? "
                           f"(names are case-sensitive)")
     try:
-        from transformers import AutoConfig
-        hf = AutoConfig.from_pretrained(name, token=hf_token).to_dict()
+        hf = hub_config(name, hf_token)
     except Exception as e:   # offline, unknown id, gated model: say which and what to do
         guess = f"did you mean '{near}'? " if near else ""
         raise ConfigError(
@@ -113,6 +112,28 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {guess}check "
             f"the name, your network, or pass --hf_token for a gated model") from None
     return {"name": name, **model_fields_from_hf(hf, f"hub config of {name}")}
+
+
+def hub_config(name: str, hf_token: str = None) -> dict:
+    """The hub's config.json of `name` as a dict: from the local cache if it is there, else
+    after one request for its metadata, which fails at once (unreachable hub, unknown id, gated
+    model) where the download would first retry five times with backoff (about 23 s offline),
+    each retry a warning line of the client's."""
+    import logging
+
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(name, token=hf_token, local_files_only=True).to_dict()
+    except Exception:        # not in the cache: ask the hub
+        pass
+    client_log = logging.getLogger("huggingface_hub")
+    level, client_log.level = client_log.level, logging.ERROR    # its failed request's warning
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), token=hf_token)
+    finally:
+        client_log.setLevel(level)
+    return AutoConfig.from_pretrained(name, token=hf_token).to_dict()
 
 
 def near_preset(name: str):
