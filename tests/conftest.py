@@ -46,3 +46,19 @@ def no_leftover_process_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """A Hugging Face hub that refuses every connection at once (offline mode off); returns the
+    list of the seconds anything slept, to show that nothing waited to retry."""
+    import time
+
+    from huggingface_hub import constants, hf_api
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")     # nothing listens
+    monkeypatch.setattr(hf_api.api, "endpoint", "http://127.0.0.1:9")
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    return waits

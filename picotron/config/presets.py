@@ -114,25 +114,32 @@ def resolve_model(name: str, hf_token: str = None) -> dict:
     return {"name": name, **model_fields_from_hf(hf, f"hub config of {name}")}
 
 
-def hub_config(name: str, hf_token: str = None) -> dict:
-    """The hub's config.json of `name` as a dict: from the local cache if it is there, else
-    after one request for its metadata, which fails at once (unreachable hub, unknown id, gated
-    model) where the download would first retry five times with backoff (about 23 s offline),
-    each retry a warning line of the client's."""
+def ask_hub(repo_id: str, token: str = None) -> None:
+    """One request to the Hugging Face hub for `repo_id`'s metadata, which raises the client's
+    error at once where the hub cannot serve it (unreachable, offline mode, unknown id). Asked
+    before a download of a repository that is not in the cache: the client's downloads retry
+    a failed request five times with backoff (about 23 s a file offline), each try a warning
+    line of its own."""
     import logging
 
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import model_info
+    client_log = logging.getLogger("huggingface_hub")
+    level, client_log.level = client_log.level, logging.ERROR    # its failed request's warning
+    try:
+        model_info(repo_id, token=token)
+    finally:
+        client_log.setLevel(level)
+
+
+def hub_config(name: str, hf_token: str = None) -> dict:
+    """The hub's config.json of `name` as a dict: from the local cache if it is there, else
+    downloaded once the hub has answered for it (ask_hub)."""
     from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(name, token=hf_token, local_files_only=True).to_dict()
     except Exception:        # not in the cache: ask the hub
         pass
-    client_log = logging.getLogger("huggingface_hub")
-    level, client_log.level = client_log.level, logging.ERROR    # its failed request's warning
-    try:
-        get_hf_file_metadata(hf_hub_url(name, "config.json"), token=hf_token)
-    finally:
-        client_log.setLevel(level)
+    ask_hub(name, hf_token)
     return AutoConfig.from_pretrained(name, token=hf_token).to_dict()
 
 

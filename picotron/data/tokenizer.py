@@ -115,14 +115,27 @@ def check_fits(tokenizer, vocab_size: int) -> None:
                              f"the run trained with")
 
 
+def hub_or_local_tokenizer(source: str):
+    """transformers' tokenizer at `source`: a path, a hub id in the local cache, else a hub id
+    downloaded once the hub has answered for it (one request that fails at once offline,
+    where the download would retry each file with backoff)."""
+    from transformers import AutoTokenizer
+    if not os.path.exists(source):
+        try:
+            return AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except Exception:    # not in the cache: ask the hub
+            from picotron.config.presets import ask_hub
+            ask_hub(source)
+    return AutoTokenizer.from_pretrained(source)
+
+
 def load_tokenizer(source: str, fix: str = "set dataset.tokenizer to"):
     """ByteTokenizer for "byte", else the Hugging Face tokenizer at `source` (path or hub id).
     `fix`: how the user names the tokenizer, for the error's fix."""
     if source == "byte":
         return ByteTokenizer()
     try:
-        from transformers import AutoTokenizer
-        return HFTokenizer(source, AutoTokenizer.from_pretrained(source))
+        return HFTokenizer(source, hub_or_local_tokenizer(source))
     except TokenizerError:
         raise
     except Exception as e:   # missing path, offline hub, not a tokenizer directory
