@@ -124,7 +124,8 @@ def ask_hub(repo_id: str, token: str = None) -> None:
 
     from huggingface_hub import model_info
     client_log = logging.getLogger("huggingface_hub")
-    level, client_log.level = client_log.level, logging.ERROR    # its failed request's warning
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)      # its failed request's warning line
     try:
         model_info(repo_id, token=token)
     finally:
