@@ -289,13 +289,3 @@ def test_step_batches_are_the_layouts_share_prefetched_or_not():
                                                                                   positions)))
             assert batches.get(4, 0)[0].shape == (2, SEQ // 2)        # not prefetched: built
 
-
-def test_a_tokenizer_id_the_hub_cannot_serve_fails_at_once(unreachable_hub, capfd):
-    # not cached, hub unreachable: one request, then the one error (the client's download
-    # would retry each file five times with backoff, about 49 s for a tokenizer, and print a
-    # warning line a try)
-    from picotron.data.tokenizer import TokenizerError, load_tokenizer
-    with pytest.raises(TokenizerError, match="could not load a tokenizer from the Hugging Face "
-                                             "hub id 'someone/nothing'"):
-        load_tokenizer("someone/nothing")
-    assert unreachable_hub == [] and capfd.readouterr().err == ""

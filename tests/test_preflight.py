@@ -283,3 +283,14 @@ def test_a_text_column_holding_numbers_is_refused(tmp_path, capsys):
     err = refused(tmp_path, capsys, "--dataset_name", str(mixed))
     assert ("dataset.text_column='text': row 2 of mixed.jsonl holds int 5 in column 'text', "
             "not text; make every row's 'text' a string") in err, err
+
+
+def test_a_tokenizer_id_the_hub_cannot_serve_fails_at_once(unreachable_hub, capfd):
+    # not cached, hub unreachable: one request, then the one error (the client's download
+    # would retry each file five times with backoff, about 49 s for a tokenizer, and print a
+    # warning line a try)
+    from picotron.data.tokenizer import TokenizerError, load_tokenizer
+    with pytest.raises(TokenizerError, match="could not load a tokenizer from the Hugging Face "
+                                             "hub id 'someone/nothing'"):
+        load_tokenizer("someone/nothing")
+    assert unreachable_hub == [] and capfd.readouterr().err == ""

@@ -36,8 +36,9 @@ Reading order (each file needs only the ones before it):
     judge.py               the config's verdict on one layout of a search, the config resolved
     share_work.py          a search's grids shared with a forked second process, where there
                            is a second core: the same result
+    report.py              the search's table of the fastest layouts and its refusals, counted
+                           by reason, each memory estimate as its range
     search.py              every layout of N GPUs the config accepts, scored and ranked
-    report.py              the search's table of the fastest layouts and its refusals by reason
     score.py               a prediction for each row of a CSV of layouts
     auto_layout.py         create_config.py's --auto_layout: the search's fastest layout, the
                            knobs the user gave kept
