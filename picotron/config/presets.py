@@ -132,16 +132,25 @@ def ask_hub(repo_id: str, token: str = None) -> None:
         client_log.setLevel(level)
 
 
-def hub_config(name: str, hf_token: str = None) -> dict:
-    """The hub's config.json of `name` as a dict: from the local cache if it is there, else
-    downloaded once the hub has answered for it (ask_hub)."""
-    from transformers import AutoConfig
+def cached_or_hub(load, repo_id: str, token: str = None):
+    """`load(**kwargs)` (a transformers from_pretrained of `repo_id`) from the local cache if
+    it is there, else downloaded once the hub has answered for it (ask_hub): the one way a
+    config or a tokenizer comes from the hub."""
     try:
-        return AutoConfig.from_pretrained(name, token=hf_token, local_files_only=True).to_dict()
+        return load(local_files_only=True)
     except Exception:        # not in the cache: ask the hub
         pass
-    ask_hub(name, hf_token)
-    return AutoConfig.from_pretrained(name, token=hf_token).to_dict()
+    ask_hub(repo_id, token)
+    return load()
+
+
+def hub_config(name: str, hf_token: str = None) -> dict:
+    """The hub's config.json of `name` as a dict (cached_or_hub)."""
+    from transformers import AutoConfig
+
+    def load(**cache):
+        return AutoConfig.from_pretrained(name, token=hf_token, **cache)
+    return cached_or_hub(load, name, hf_token).to_dict()
 
 
 def near_preset(name: str):

@@ -116,17 +116,14 @@ def check_fits(tokenizer, vocab_size: int) -> None:
 
 
 def hub_or_local_tokenizer(source: str):
-    """transformers' tokenizer at `source`: a path, a hub id in the local cache, else a hub id
-    downloaded once the hub has answered for it (one request that fails at once offline,
-    where the download would retry each file with backoff)."""
+    """transformers' tokenizer at `source`: a path, else a hub id from the local cache or
+    downloaded once the hub has answered for it (config.presets.cached_or_hub: one request
+    that fails at once offline, where the download would retry each file with backoff)."""
     from transformers import AutoTokenizer
-    if not os.path.exists(source):
-        try:
-            return AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:    # not in the cache: ask the hub
-            from picotron.config.presets import ask_hub
-            ask_hub(source)
-    return AutoTokenizer.from_pretrained(source)
+    if os.path.exists(source):
+        return AutoTokenizer.from_pretrained(source)
+    from picotron.config.presets import cached_or_hub
+    return cached_or_hub(lambda **cache: AutoTokenizer.from_pretrained(source, **cache), source)
 
 
 def load_tokenizer(source: str, fix: str = "set dataset.tokenizer to"):
