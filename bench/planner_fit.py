@@ -91,7 +91,7 @@ def fit_memory(profile, runs) -> dict:
             # benchmark mode writes its CSV row, and that rank's peak, from world rank 0
             held, other, logits = rank_parts(config, profile, 0)
         else:
-            held, device = held_and_device(config, profile)
+            held, device = held_and_device(config)
             other, logits = device - held, logit_count(config)
         parts.append((held / GiB, other / GiB, 1.0))
         rest.append(float(row["measured_mem_gb"]) - profile["mem_logit_bytes"] * logits / GiB)

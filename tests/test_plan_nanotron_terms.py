@@ -1,11 +1,10 @@
 """The terms the playbook-h100 profile adds for nanotron's runs: a micro-batch's stall that
 grows with the job's nodes, the host's wait on each tensor-parallel collective on a
 pipeline's rank, the pipeline split by each block's compute, ZeRO-1's all-reduce before it
-shards, its loss's passes over the logits, and the gradient buffers held all step (a trait
-of a profile the memory plan counts; tests/test_plan_nanotron_memory.py checks nanotron's
-own count). Each is checked with the term set and unset (or against this project's
-behaviour), so a term that stopped reaching the prediction fails here. CPU only: the model
-is arithmetic."""
+shards and its loss's passes over the logits (tests/test_plan_nanotron_memory.py checks
+nanotron's own count of its memory). Each is checked with the term set and unset (or against
+this project's behaviour), so a term that stopped reaching the prediction fails here. CPU
+only: the model is arithmetic."""
 
 import pytest
 
@@ -13,11 +12,9 @@ from picotron.pipeline_parallel.stage import stage_layers
 from picotron.plan.compute_time import ends_time
 from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import config_for
-from picotron.plan.memory_plan import rank_estimate
 from picotron.plan.stage_split import stage_split
 from picotron.plan.step_time import predict
 from picotron.plan.traffic import traffic_terms
-from picotron.plan.trainer_memory import grads_held_memory, held_and_device
 
 ROW = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab=8192, tied=0, seq=1024,
            gpus=16, gpus_per_node=8, dp=2, tp=2, pp=2, cp=2, zero=1, mbs=2, grad_acc=4)
@@ -97,40 +94,6 @@ def test_nanotrons_zero1_all_reduces_before_it_shards():
     slow = predict(config, profile, 8).parts["dp"]
     quick = predict(config, scatter, 8).parts["dp"]
     assert slow > quick > 0
-
-
-def grads_held_profile(held=True):
-    """playbook-h100 counted by the memory plan (no nanotron count), with grads_held set."""
-    return playbook().with_traits(memory=None, grads_held=held)
-
-
-@pytest.mark.parametrize("micro, apart", [(1, True), (4, False)])
-def test_gradient_buffers_held_all_step_at_one_micro_batch(micro, apart):
-    config = config_for(dict(LLAMA_8B, pp=1, dp=16, tp=4, mbs=4 // micro, grad_acc=micro))
-    held, device = held_and_device(config, grads_held_profile())
-    plan_held, plan_device = held_and_device(config, grads_held_profile(False))
-    grads = 8.03e9 / 4 * 4                 # about the rank's parameters / tp x 4 B, fp32
-    assert (held - plan_held > 0.9 * grads) == apart and held >= plan_held
-    assert device >= plan_device
-
-
-@pytest.mark.parametrize("pp, tied, zero", [(2, 0, 1), (5, 1, 0), (8, 0, 3), (16, 1, 1)])
-def test_held_gradients_memory_reads_the_ranks_that_differ(pp, tied, zero):
-    # at one micro-batch the first two and last two ranks stand for all: the busiest of every
-    # rank, counted one by one, is the same
-    config = config_for(dict(ROW, layers=30, tied=tied, gpus=2 * pp, dp=2, tp=1, pp=pp, cp=1,
-                             zero=zero, grad_acc=1))
-    every = []
-    for r in range(pp):
-        sums = {}
-        for row in rank_estimate(config, r).rows:
-            when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
-            sums[when] = sums.get(when, 0) + row.bytes
-        every.append((sums.get("held", 0), sums.get("held", 0) + max(sums.get("forward", 0),
-                                                                     sums.get("step", 0))))
-    ranks = grads_held_memory(config)
-    assert max(ranks, key=lambda hd: hd[1]) == max(every, key=lambda hd: hd[1])
-    assert ranks[-1] == every[-1]                  # the head's rank, last
 
 
 @pytest.mark.parametrize("gpus, dp, waits", [(8, 1, False), (16, 2, True)])

@@ -88,8 +88,6 @@ TRAITS = {
     "ddp_recv_stall": "the least micro-batches a step from which a ZeRO-0 pipeline with dp > 1 "
                       "(nanotron: under torch DDP) whose sends cross nodes waits stall_s on "
                       "each receive (ddp_stall.py); absent or 0: never",
-    "grads_held": "true: the gradient buffers are held all step even without accumulation "
-                  "(nanotron's fp32 accumulator); this project frees them between steps",
     "memory": "'nanotron': the trainer's memory is nanotron's own count, rank by rank "
               "(nanotron_memory.py), scaled by the mem_ factors; else the memory plan's",
     "non_gemm_path": "whose passes the traffic count follows: 'picotron' (our Triton path)",

@@ -80,18 +80,9 @@ def _state_sums(config, v, cache):
     return None if None in sums else sums
 
 
-# the rows a trainer that holds its gradient buffers all step keeps "held" (trainer_memory)
-GRADIENT_ROWS = ("gradient buffers", "gradient shards")
-
-
 def _rank_state_sums(config, params):
-    """_sums at held and step, and "grads at step": the GRADIENT_ROWS' bytes among the step's."""
-    rows = state_rows(config, params)
-    sums = _sums(rows, ("held", "step"))
-    if sums is not None:
-        sums["grads at step"] = float(sum(row.bytes for row in rows
-                                          if row.name in GRADIENT_ROWS and row.when == "step"))
-    return sums
+    """_sums of one rank's state rows at held and step."""
+    return _sums(state_rows(config, params), ("held", "step"))
 
 
 def _activation_sums(config, cache):
@@ -112,15 +103,14 @@ def _activation_sums(config, cache):
     return None if None in sums else sums
 
 
-def cached_memory(config, cache, grads_held: bool = False) -> list:
+def cached_memory(config, cache) -> list:
     """trainer_memory.rank_sums: [(held bytes, device bytes)] of the ranks of
     memory_plan.estimate(config) that can be the busiest, the last pipeline rank's last, the
     sums of each rank_estimate in its order (the state rows, then the activation rows), each
     part's sums of every rank cached by the knobs they read (memory_state.py,
     memory_activations.py); the whole is not kept: its key, memory_key, holds nearly every
-    knob (the caller keeps its fit under it). grads_held: with the gradient buffers held all
-    step (trainer_memory.grads_held_memory); None where that needs the whole estimate (a
-    config with "auto", rows off their moments)."""
+    knob (the caller keeps its fit under it). None for a config with "auto" (the caller's own
+    estimate)."""
     if has_auto(config):
         return None                 # the caller's own estimate (trainer_memory.memory_fit)
     k, v = layout_key(config), virtual_stages(config)
@@ -128,7 +118,7 @@ def cached_memory(config, cache, grads_held: bool = False) -> list:
     act = cached(cache, ("act", v) + k[1:4] + k[6:9] + k[10:11] + k[12:14], _activation_sums,
                  config, cache)
     if state is None or act is None:        # a row at another part's moment: sum them all
-        return None if grads_held else _summed_memory(config)
+        return _summed_memory(config)
     graphs, sums, alike = config.training.cuda_graphs is True, [], None
     last = len(state) - 1
     for r, (s, a) in enumerate(zip(state, act)):
@@ -136,8 +126,6 @@ def cached_memory(config, cache, grads_held: bool = False) -> list:
             continue            # the rank before's sums (the middle ranks'): no larger
         alike = s, a
         held, forward, step = s["held"], a["forward"], s["step"]
-        if grads_held:
-            held, step = held + s["grads at step"], step - s["grads at step"]
         sums.append((held, device_bytes(held, forward, step, graphs)))
     return sums
 

@@ -44,7 +44,7 @@ from picotron.plan.predict_cache import (cached, cached_memory, compute_key, lay
 from picotron.plan.pipeline_sim import Joined, TailEvents, simulate, simulate_async_batch
 from picotron.plan.stage_split import stage_split
 from picotron.plan.step_tail import rank_tails
-from picotron.plan.trainer_memory import counts_nanotron, fit_of, grads_held_apart, memory_fit
+from picotron.plan.trainer_memory import counts_nanotron, fit_of, memory_fit
 from picotron.utils import flops_per_token
 
 PARTS = ("compute", "tp", "cp", "pp", "dp", "pipeline_idle", "optimizer", "memory_pressure")
@@ -64,18 +64,16 @@ class Prediction:
 
 
 def cached_fit(config, profile, cache):
-    """memory_fit(config, profile), kept in `cache`, from cached_memory's sums (with the
-    gradient buffers held all step for a trainer that holds them: grads_held_apart), or
-    nanotron's own count under its trait (memory_key's knobs are all it reads)."""
+    """memory_fit(config, profile), kept in `cache`, from cached_memory's sums, or nanotron's
+    own count under its trait (memory_key's knobs are all it reads)."""
     if counts_nanotron(config, profile):
         return cached(cache, ("nanotron fit",) + memory_key(config), memory_fit, config,
                       profile)
-    held = grads_held_apart(config, profile)
 
     def fit():
-        sums = cached_memory(config, cache, held)
+        sums = cached_memory(config, cache)
         return memory_fit(config, profile) if sums is None else fit_of(config, profile, sums)
-    return cached(cache, ("fit", held) + memory_key(config), fit)
+    return cached(cache, ("fit",) + memory_key(config), fit)
 
 
 def layer_pass(config, profile, links, groups, cache=None):

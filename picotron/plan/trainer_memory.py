@@ -14,8 +14,7 @@ import copy
 import math
 
 from picotron.config import resolve_auto
-from picotron.plan.memory_activations import virtual_stages
-from picotron.plan.memory_plan import GPU_RESERVED, device_bytes, has_auto, rank_estimate
+from picotron.plan.memory_plan import GPU_RESERVED, has_auto, rank_estimate
 from picotron.plan.memory_state import GiB
 from picotron.plan.nanotron_memory import busiest_need
 
@@ -29,7 +28,7 @@ def memory_fit(config, profile):
     if counts_nanotron(config, profile):
         need, rank = busiest_need(config, profile)
         return need_fit(need, profile, f" on pipeline rank {rank}")
-    return fit_of(config, profile, rank_sums(config, profile))
+    return fit_of(config, profile, rank_sums(config))
 
 
 def counts_nanotron(config, profile) -> bool:
@@ -44,15 +43,12 @@ def counts_nanotron(config, profile) -> bool:
             and t.activation_checkpointing in ("none", "auto"))
 
 
-def rank_sums(config, profile) -> list:
-    """[(held, device bytes)] of the memory plan's estimate of each pipeline rank, as the
-    profile's trainer holds them (grads_held_apart): the ranks that can be the busiest, the
-    last pipeline rank's last. "auto" options count as what they resolve to, on a copy."""
+def rank_sums(config) -> list:
+    """[(held, device bytes)] of the memory plan's estimate of each pipeline rank, the last
+    pipeline rank's last. "auto" options count as what they resolve to, on a copy."""
     if has_auto(config):
         config = copy.deepcopy(config)
         resolve_auto(config)
-    if grads_held_apart(config, profile):
-        return grads_held_memory(config)
     return [held_and_device_of(rank_estimate(config, r))
             for r in range(config.distributed.pp_size)]
 
@@ -62,35 +58,9 @@ def held_and_device_of(e) -> tuple:
     return sum(r.bytes for r in e.rows if r.when == "held"), e.device_bytes
 
 
-def held_and_device(config, profile) -> tuple:
+def held_and_device(config) -> tuple:
     """(held, device bytes) of the busiest rank of rank_sums."""
-    return max(rank_sums(config, profile), key=lambda sums: sums[1])
-
-
-def grads_held_apart(config, profile) -> bool:
-    """Whether the profile's trainer holds its gradient buffers all step (the trait
-    grads_held: nanotron's fp32 accumulator) where this project's plan frees them between
-    steps (one micro-batch a step: no accumulation to carry)."""
-    return (bool(profile.traits.get("grads_held"))
-            and config.training.gradient_accumulation_steps == 1)
-
-
-def grads_held_memory(config) -> list:
-    """rank_sums with the gradient buffers held, the plan's rule otherwise
-    (memory_plan.rank_estimate), of a config with no "auto" left."""
-    graphs, pp, ranks_sums = config.training.cuda_graphs is True, config.distributed.pp_size, []
-    # at one micro-batch every rank holds one in flight: the ranks differ only by their ends
-    # and by a layer more or less, so the first two and the last two stand for all
-    ranks = range(pp) if virtual_stages(config) > 1 else sorted({0, 1, pp - 2, pp - 1} & set(
-        range(pp)))
-    for r in ranks:
-        sums = {}
-        for row in rank_estimate(config, r).rows:
-            when = "held" if row.name in ("gradient buffers", "gradient shards") else row.when
-            sums[when] = sums.get(when, 0) + row.bytes
-        held, forward, step = (sums.get(w, 0) for w in ("held", "forward", "step"))
-        ranks_sums.append((held, device_bytes(held, forward, step, graphs)))
-    return ranks_sums
+    return max(rank_sums(config), key=lambda sums: sums[1])
 
 
 def logit_count(config) -> int:
