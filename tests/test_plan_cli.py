@@ -9,7 +9,7 @@ import os
 import pytest
 
 from picotron.errors import ConfigError
-from picotron.plan.__main__ import main
+from picotron.plan.__main__ import build_parser, main, run_search
 from picotron.plan.hardware import load_profile
 from picotron.plan.layouts import LAYOUT_COLUMNS, config_for
 from picotron.plan.score import PRED_COLUMNS
@@ -169,3 +169,28 @@ def test_search_prints_the_table_and_the_refusals(capsys):
     assert "layouts fit;" in out and "refused" in out
     # h200's runs are one GPU's: every layout of 4 is beyond them, and the report says so
     assert "\n* " in out and "h200 profile was fit to" in out
+
+
+SEARCH_4 = ["search", "--model_name", "debug", "--gpus", "4", "--seq_len", "64",
+            "--global_batch_tokens", "512", "--hardware", "h200"]
+
+
+def test_a_layout_knob_given_by_set_stays_fixed_and_one_set_to_auto_is_searched(capsys):
+    every = run_search(build_parser().parse_args(SEARCH_4))
+    fixed = run_search(build_parser().parse_args(SEARCH_4 + [
+        "--set", "distributed.tp_size=2", "--set", "training.fp8=none",
+        "--set", "training.activation_checkpointing=auto"]))
+    assert "tokens a step, tp 2, fp8 none\n" in capsys.readouterr().out
+
+    def rows(ranked):
+        return sorted(repr((s.layout, s.prediction.tok_s_gpu, s.prediction.mem_gib))
+                      for s in ranked)
+    # exactly the unfixed search's layouts with those values, every recomputation among them
+    want = [s for s in every.ranked if s.layout["tp"] == 2 and s.layout["fp8"] == "none"]
+    assert want and rows(fixed.ranked) == rows(want)
+    assert len({s.layout["recompute"] for s in fixed.ranked}) == 3
+
+
+def test_fixed_sizes_that_no_grid_of_the_gpus_has_end_in_one_line(capsys):
+    err = one_error_line(capsys, SEARCH_4 + ["--set", "distributed.tp_size=3"])
+    assert "no layout of 4 GPUs has tp=3" in err and "divide" in err

@@ -42,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hardware", **hardware)
     s.add_argument("--top", type=int, default=10, help="layouts shown (default: 10)")
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="set any other config key for every layout, as create_config.py's "
-                        "--set (e.g. distributed.sequence_parallel=true)")
+                   help="set a config key for every layout, as create_config.py's --set "
+                        "(e.g. distributed.sequence_parallel=true); a layout knob set so "
+                        "(distributed.tp_size=2, training.fp8=none, ...) stays fixed and the "
+                        "search varies the rest (one set to auto is the search's to choose)")
     c = commands.add_parser("score", allow_abbrev=False, help="predict a table of layouts")
     c.add_argument("--layouts", required=True, help="IN.csv, a layout per row")
     c.add_argument("--hardware", **hardware)
@@ -66,13 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
 def run_search(args):
     """Print the search's heading and report; return its SearchResult (for bench scripts)."""
     from picotron.plan.hardware import load_profile
+    from picotron.plan.judge import knobs_set
     from picotron.plan.report import search_report
     from picotron.plan.search import search, search_raw
     profile = load_profile(args.hardware)
     raw = search_raw(args.model_name, args.seq_len, args.set)
-    result = search(raw, args.gpus, args.global_batch_tokens, profile, args.gpus_per_node)
+    fixed = knobs_set(raw, args.set)
+    result = search(raw, args.gpus, args.global_batch_tokens, profile, args.gpus_per_node,
+                    fixed=fixed)
+    if not result.considered:       # no grid of --gpus has the fixed sizes
+        from picotron.plan.auto_layout import nothing_fits
+        raise ConfigError(nothing_fits(args.gpus, fixed, result))
+    kept = "".join(f", {knob} {value}" for knob, value in fixed.items())
     print(f"{args.model_name} on {args.gpus} GPUs ({args.gpus_per_node} per node, profile "
-          f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step")
+          f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step"
+          f"{kept}")
     print(search_report(result, args.top, profile))
     return result
 

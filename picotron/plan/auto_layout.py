@@ -12,9 +12,10 @@ the runner-up shares the winner's.
 import sys
 
 from picotron.config import ConfigError
+from picotron.plan.judge import LAYOUT_KEYS, knobs_set
 from picotron.plan.report import (describe, fastest_measured_line, runner_up_line, spanned,
                                   unmeasured_line)
-from picotron.plan.search import LAYOUT_KEYS, search
+from picotron.plan.search import search
 
 # create_config.py's flag -> the search's name of the knob it sets
 FLAG_KNOBS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "mbs": "mbs",
@@ -52,20 +53,11 @@ def auto_layout_problems(args) -> list:
     return []
 
 
-def set_keys(overrides) -> set:
-    """The `section.key` of each `--set section.key=value`."""
-    return {item.split("=", 1)[0].strip() for item in overrides}
-
-
 def fixed_knobs(args, raw: dict) -> dict:
     """The layout knobs the user gave, by flag or by `--set`, with their values in `raw`."""
     fixed = {knob: getattr(args, flag) for flag, knob in FLAG_KNOBS.items()
              if getattr(args, flag) is not None}
-    given = set_keys(args.set)
-    for knob, (section, key) in LAYOUT_KEYS.items():
-        if f"{section}.{key}" in given:
-            fixed[knob] = raw[section][key]
-    return fixed
+    return {**fixed, **knobs_set(raw, args.set)}
 
 
 def planned_gpus(args) -> int:

@@ -20,6 +20,16 @@ LAYOUT_KEYS = {
 }
 
 
+def knobs_set(raw: dict, overrides) -> dict:
+    """The layout knobs (short names) that `--set section.key=value` overrides name, with
+    their values as `raw` (the config dict the overrides were applied to) holds them: the
+    knobs a search keeps fixed. A knob set to "auto" is left to the search, whose choice is
+    the planner's (resolved here, "auto" would ask this machine's GPU, not the profile's)."""
+    named = {item.split("=", 1)[0].strip() for item in overrides}
+    return {knob: raw[section][key] for knob, (section, key) in LAYOUT_KEYS.items()
+            if f"{section}.{key}" in named and raw[section][key] != "auto"}
+
+
 def _copy(section):
     """A shallow copy of a config section: dataclasses.replace(section) without its __init__
     (the sections are plain dataclasses: no __post_init__, every field an init field)."""
