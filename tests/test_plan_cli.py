@@ -194,3 +194,39 @@ def test_a_layout_knob_given_by_set_stays_fixed_and_one_set_to_auto_is_searched(
 def test_fixed_sizes_that_no_grid_of_the_gpus_has_end_in_one_line(capsys):
     err = one_error_line(capsys, SEARCH_4 + ["--set", "distributed.tp_size=3"])
     assert "no layout of 4 GPUs has tp=3" in err and "divide" in err
+
+
+def test_a_searchs_csv_scores_back_to_its_predictions(tmp_path, capsys):
+    # under playbook-h100, whose trait layout_defaults reads a row without the column
+    # distributed.sequence_parallel as nanotron ran it (on): the search's own value (off,
+    # this project's default) must travel in the file, with every other setting it searched
+    found, scored = str(tmp_path / "all.csv"), str(tmp_path / "again.csv")
+    argv = SEARCH_4[:-1] + ["playbook-h100", "--set", "distributed.grad_reduce_dtype=bfloat16"]
+    result = run_search(build_parser().parse_args(argv + ["--out", found]))
+    main(["score", "--layouts", found, "--hardware", "playbook-h100", "--out", scored])
+    with open(found) as f:
+        rows = list(csv.DictReader(f))
+    with open(scored) as f:
+        again = list(csv.DictReader(f))
+    assert len(rows) == len(result.ranked) > 100 and len(again) == len(rows)
+    assert {row["distributed.sequence_parallel"] for row in rows} == {"false"}
+    assert {row["distributed.grad_reduce_dtype"] for row in rows} == {"bfloat16"}
+    assert {(row["tp"], row["pp_engine"]) for row in rows} >= {("2", "1f1b"), ("1", "afab")}
+    for row, back, s in zip(rows, again, result.ranked):
+        assert float(row["pred_tok_s_gpu"]) == round(s.prediction.tok_s_gpu, 1)
+        assert [back[c] for c in PRED_COLUMNS] == [row[c] for c in PRED_COLUMNS]
+
+
+@pytest.mark.parametrize("command", ["search", "score"])
+def test_an_out_path_that_cannot_be_written_ends_in_one_line(tmp_path, capsys, command):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = str(blocker / "x.csv")                 # a folder inside a file
+    if command == "search":
+        argv = SEARCH_4 + ["--out", out]
+    else:
+        layouts = str(tmp_path / "in.csv")
+        write_csv(layouts, [ROW])
+        argv = ["score", "--layouts", layouts, "--hardware", "h200", "--out", out]
+    err = one_error_line(capsys, argv)
+    assert "cannot write --out" in err and "choose a path" in err

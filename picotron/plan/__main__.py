@@ -1,8 +1,9 @@
 """`python -m picotron.plan search | score | explain`: which layout for N GPUs, before running.
 
     search   --model_name NAME --gpus N [--gpus_per_node 8] --seq_len T
-             --global_batch_tokens B --hardware PROFILE: every layout the config accepts,
-             scored; the fastest ten, then the refused ones counted by reason
+             --global_batch_tokens B --hardware PROFILE [--out ALL.csv]: every layout the
+             config accepts, scored; the fastest ten, then the refused ones counted by
+             reason (ALL.csv: every one that fits, as score's rows)
     score    --layouts IN.csv --hardware PROFILE --out OUT.csv: a prediction per row
     explain  CONFIG [--hardware PROFILE] [--out FILE.png]: one config's predicted step as a
              picture, a lane per pipeline rank, each rank's memory beside it
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per optimizer step, over every micro-batch and replica")
     s.add_argument("--hardware", **hardware)
     s.add_argument("--top", type=int, default=10, help="layouts shown (default: 10)")
+    s.add_argument("--out", help="also write every layout that fits, fastest first, to this "
+                                 "CSV in score's columns with the predictions (score reads "
+                                 "it back, under another profile too)")
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="set a config key for every layout, as create_config.py's --set "
                         "(e.g. distributed.sequence_parallel=true); a layout knob set so "
@@ -84,6 +88,10 @@ def run_search(args):
           f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step"
           f"{kept}")
     print(search_report(result, args.top, profile))
+    if args.out:
+        from picotron.plan.score import search_rows, write_table
+        write_table(args.out, *search_rows(result.ranked, raw, profile, args.gpus_per_node))
+        print(f"wrote {args.out}: {len(result.ranked):,} layouts")
     return result
 
 
@@ -91,7 +99,7 @@ def run_score(args) -> None:
     from picotron.plan.hardware import load_profile
     from picotron.plan.score import score
     n = score(args.layouts, load_profile(args.hardware), args.out)
-    print(f"wrote {args.out}: {n} rows scored")
+    print(f"wrote {args.out}: {n:,} rows scored")
 
 
 def run_explain(args) -> None:

@@ -1,5 +1,7 @@
 """`python -m picotron.plan score --layouts IN.csv --hardware P --out OUT.csv`: the step-time
-model's prediction for every row of a table of layouts. OUT.csv is IN.csv with every column
+model's prediction for every row of a table of layouts; and the same table of a search's
+ranked layouts (search_rows, `search --out`), which score reads back to the same
+predictions. OUT.csv is IN.csv with every column
 kept, in its order, plus the predictions (PRED_COLUMNS); a row the config refuses gets
 pred_fits 0 and the config's reason in pred_note; one that does not fit the memory, pred_fits
 0, the memory's reason, and its time at the profile's over_memory_speed.
@@ -10,10 +12,14 @@ grad_acc gets pred_fits 0 and both numbers in pred_note. A file without some of 
 or a row that is not a layout (a size that is not a number), ends in one line naming them.
 """
 import csv
+import json
+import os
 
+from picotron.config import Config
 from picotron.errors import ConfigError
-from picotron.plan.layouts import (LAYOUT_COLUMNS, as_trainer_ran, batch_contradiction,
-                                   config_for)
+from picotron.plan.judge import LAYOUT_KEYS as KNOB_KEYS
+from picotron.plan.layouts import (LAYOUT_COLUMNS, MODEL_KEYS, OPTIONAL_COLUMNS, as_trainer_ran,
+                                   batch_contradiction, config_for)
 
 PRED_COLUMNS = ("pred_tok_s_gpu", "pred_step_s", "pred_mem_gib", "pred_fits", "pred_note")
 
@@ -54,7 +60,11 @@ def score_row(row: dict, profile, predict) -> dict:
     if refused:
         return {"pred_tok_s_gpu": "", "pred_step_s": "", "pred_mem_gib": "", "pred_fits": 0,
                 "pred_note": refused}
-    p = predict(config, profile, int(float(row["gpus_per_node"])))
+    return pred_cells(predict(config, profile, int(float(row["gpus_per_node"]))), profile)
+
+
+def pred_cells(p, profile) -> dict:
+    """The PRED_COLUMNS of a step_time.Prediction."""
     note = p.note
     if p.parts.get("memory_pressure", 0.0) > 0:     # the time of a run past its memory
         note += (f"; timed, where it runs at all, at {profile['over_memory_speed']:.2f} of its "
@@ -75,9 +85,59 @@ def score(in_path: str, profile, out_path: str, predict=None) -> int:
         except ValueError as e:
             raise ConfigError(f"--layouts {in_path} line {number} is not a layout: {e}; fix "
                               f"that cell") from None
-    out_columns = columns + [c for c in PRED_COLUMNS if c not in columns]
-    with open(out_path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=out_columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(scored)
+    write_table(out_path, columns + [c for c in PRED_COLUMNS if c not in columns], scored)
     return len(scored)
+
+
+def write_table(path: str, columns: list, rows: list) -> None:
+    """Write `rows` (dicts) as a CSV of `columns`; a path that cannot be written ends in one
+    line."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    except OSError as e:
+        raise ConfigError(f"cannot write --out {path!r} ({e.strerror}); choose a path in a "
+                          f"folder you can write") from None
+
+
+# what a layout's prediction reads of a config: its other sections (data, logging) are not it
+PLANNED_SECTIONS = ("model", "distributed", "training")
+
+
+def search_rows(ranked: list, raw: dict, profile, gpus_per_node: int) -> tuple:
+    """(columns, rows) of a search's ranked layouts (search.Scored, fastest first) for the
+    config dict `raw` it searched, as score reads a layout: LAYOUT_COLUMNS and
+    OPTIONAL_COLUMNS, `distributed.cp_mode`, a `section.key` column for each key of `raw`
+    that is not the default (the model's other settings, each --set) or that the profile's
+    trait layout_defaults names (score would read it as that trainer ran it), then
+    PRED_COLUMNS."""
+    default, m = Config().to_dict(), raw["model"]
+    laid_out = {("model", key) for key in MODEL_KEYS.values()} | set(KNOB_KEYS.values()) | {
+        ("model", "name"), ("training", "seq_length")}
+    settings = {(section, key): value for section in PLANNED_SECTIONS
+                for key, value in raw[section].items()
+                if (section, key) not in laid_out and value != default[section].get(key)}
+    for name in profile.traits.get("layout_defaults", {}):
+        section, key = name.split(".", 1)
+        settings.setdefault((section, key), raw[section][key])
+    shape = {column: m[key] for column, key in MODEL_KEYS.items()}
+    shape.update(model=m["name"], tied=int(m["tie_word_embeddings"]),
+                 seq=raw["training"]["seq_length"], gpus_per_node=gpus_per_node)
+    cells = {f"{section}.{key}": value if isinstance(value, str) else json.dumps(value)
+             for (section, key), value in settings.items()}
+    rows = []
+    for scored in ranked:
+        k = scored.layout
+        engine = k["pp_engine"] if k["pp_engine"] != "interleaved" else (
+            f"interleaved:{k['interleave']}")
+        rows.append({**shape, "gpus": k["dp"] * k["tp"] * k["pp"] * k["cp"],
+                     **{c: k[c] for c in ("dp", "tp", "pp", "cp", "zero", "mbs", "grad_acc")},
+                     "recompute": k["recompute"], "fp8": k["fp8"], "pp_engine": engine,
+                     "distributed.cp_mode": k["cp_mode"], **cells,
+                     **pred_cells(scored.prediction, profile)})
+    columns = (["model"] + LAYOUT_COLUMNS + list(OPTIONAL_COLUMNS) + ["distributed.cp_mode"]
+               + list(cells) + list(PRED_COLUMNS))
+    return columns, rows
