@@ -129,3 +129,18 @@ def test_a_group_spanning_nodes_is_slower():
     across = predict(config, profile, gpus_per_node=1)
     assert across.parts["dp"] > inside.parts["dp"]
     assert across.step_s > inside.step_s
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_full_recomputation_reruns_the_forwards_collectives_and_launches(zero):
+    # the backward runs each layer's forward again: its tensor-parallel collectives (three
+    # directions a layer where there were two, exposed without overlap) and, where the host's
+    # launches bound the passes, its launches (three a layer where there were two)
+    row = dict(ROW, gpus=4, dp=1, tp=4, pp=1, cp=1, zero=zero, mbs=1, grad_acc=1)
+
+    def predicted(profile):
+        return [predict(config_for(dict(row, recompute=r)), profile, 8) for r in ("none", "full")]
+    plain, full = predicted(load_profile("playbook-h100"))
+    assert full.parts["tp"] == pytest.approx(1.5 * plain.parts["tp"], rel=1e-9)
+    plain, full = predicted(load_profile("playbook-h100").with_numbers(launch_s=1.0))
+    assert full.step_s - plain.step_s == pytest.approx(row["layers"] * 1.0, rel=1e-6)

@@ -82,15 +82,22 @@ def layer_pass(config, profile, links, groups, cache=None):
     d = config.distributed
     lt = cached(cache, compute_key(config), layer_time, config, profile)
     tokens = config.training.micro_batch_size * config.training.seq_length // d.cp_size
+    # full recomputation runs the layer's forward again in backward (layer_time counts its
+    # compute there): its collectives and its launches too
+    rerun = config.training.activation_checkpointing == "full"
+    gemm_b, attn_b = (lt.gemm_b - lt.gemm_f, lt.attn_b - lt.attn_f) if rerun else (lt.gemm_b,
+                                                                                 lt.attn_b)
     tp = tp_layer_s(config, links, groups["tp"], tokens)
     if d.tp_comm_overlap:
-        tp_f, tp_b = max(0.0, tp - lt.gemm_f), max(0.0, tp - lt.gemm_b)
+        tp_f, tp_b = max(0.0, tp - lt.gemm_f), max(0.0, tp - gemm_b)
     else:
         tp_f = tp_b = tp * profile["tp_exposed"]
     cp_f, cp_b = cp_layer_s(config, links, groups["cp"], tokens)
     if d.cp_mode == "ring":               # each of the cp-1 steps beside a block's attention
         share = (d.cp_size - 1) / d.cp_size
-        cp_f, cp_b = max(0.0, cp_f - lt.attn_f * share), max(0.0, cp_b - lt.attn_b * share)
+        cp_f, cp_b = max(0.0, cp_f - lt.attn_f * share), max(0.0, cp_b - attn_b * share)
+    if rerun:
+        tp_b, cp_b = tp_b + tp_f, cp_b + cp_f
     compute_f = lt.gemm_f + lt.attn_f + lt.other_f
     compute_b = lt.gemm_b + lt.attn_b + lt.other_b
     z3_f = z3_b = 0.0
@@ -113,8 +120,10 @@ def layer_pass(config, profile, links, groups, cache=None):
     wait = 0.0
     if d.pp_size > 1 and groups["pp"][2] > 1:
         wait = tp_layer_s(config, links.pipelined, groups["tp"], tokens) - tp
+    passes_b = 2 if rerun else 1          # the backward's own, and the forward run again
     return (max(sum(exposed_f.values()), launch + wait),
-            max(sum(exposed_b.values()), 2 * launch + wait), exposed_f, exposed_b)
+            max(sum(exposed_b.values()), (1 + passes_b) * launch + passes_b * wait),
+            exposed_f, exposed_b)
 
 
 def micro_batch_s(config, profile, gpus_per_node: int) -> float:
