@@ -5,6 +5,8 @@ ends in one line naming the fix (missing columns all named, a row that is not a 
 unknown profile, a model not found)."""
 import csv
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -230,3 +232,16 @@ def test_an_out_path_that_cannot_be_written_ends_in_one_line(tmp_path, capsys, c
         argv = ["score", "--layouts", layouts, "--hardware", "h200", "--out", out]
     err = one_error_line(capsys, argv)
     assert "cannot write --out" in err and "choose a path" in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `search ... | head`: 2,000 rows are far more than a pipe holds, so the search writes
+    # into a pipe already closed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "picotron.plan"] + SEARCH_4[:3] + [
+        "--gpus", "8", "--seq_len", "64", "--global_batch_tokens", "4096", "--top", "2000"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"debug on 8 GPUs")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and err == "", err

@@ -13,6 +13,7 @@ that is not a layout, a config that does not load, no matplotlib for explain) en
 line naming the fix, with exit code 2.
 """
 import argparse
+import os
 import sys
 
 from picotron.config.overrides import parse_flags
@@ -73,7 +74,7 @@ def run_search(args):
     """Print the search's heading and report; return its SearchResult (for bench scripts)."""
     from picotron.plan.hardware import load_profile
     from picotron.plan.judge import knobs_set
-    from picotron.plan.report import search_report
+    from picotron.plan.report import gpus_said, search_report
     from picotron.plan.search import search, search_raw
     profile = load_profile(args.hardware)
     raw = search_raw(args.model_name, args.seq_len, args.set)
@@ -84,7 +85,7 @@ def run_search(args):
         from picotron.plan.auto_layout import nothing_fits
         raise ConfigError(nothing_fits(args.gpus, fixed, result))
     kept = "".join(f", {knob} {value}" for knob, value in fixed.items())
-    print(f"{args.model_name} on {args.gpus} GPUs ({args.gpus_per_node} per node, profile "
+    print(f"{args.model_name} on {gpus_said(args.gpus)} ({args.gpus_per_node} per node, profile "
           f"{profile.name}), seq {args.seq_len}, {args.global_batch_tokens:,} tokens a step"
           f"{kept}")
     print(search_report(result, args.top, profile))
@@ -121,9 +122,12 @@ def main(argv=None) -> None:
     try:
         {"search": run_search, "score": run_score,
          "explain": run_explain}[args.command](args)
+        sys.stdout.flush()          # here, so that a reader gone early is caught below
     except (ConfigError, ValueError) as e:     # an unknown profile is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:         # `search ... | head`: the reader had what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # exit's flush
 
 
 if __name__ == "__main__":

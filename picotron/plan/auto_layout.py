@@ -13,8 +13,8 @@ import sys
 
 from picotron.config import ConfigError
 from picotron.plan.judge import LAYOUT_KEYS, knobs_set
-from picotron.plan.report import (describe, fastest_measured_line, runner_up_line, spanned,
-                                  unmeasured_line)
+from picotron.plan.report import (describe, fastest_measured_line, gpus_said, runner_up_line,
+                                  spanned, unmeasured_line)
 from picotron.plan.search import search
 
 # create_config.py's flag -> the search's name of the knob it sets
@@ -89,12 +89,12 @@ def nothing_fits(gpus: int, fixed: dict, result) -> str:
     given = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "no fixed knob"
     if result.refused:
         key, count = result.refused.most_common(1)[0]
-        return (f"no layout of {gpus} GPUs fits with {given}: {count:,} of "
+        return (f"no layout of {gpus_said(gpus)} fits with {given}: {count:,} of "
                 f"{sum(result.refused.values()):,} refused because "
                 f"{' '.join(spanned(result.examples[key], result.spans.get(key)).split())}; "
                 f"free a knob or change it")
     sizes = [k for k in GRID if k in fixed]
-    return (f"no layout of {gpus} GPUs has {given}: the sizes dp*tp*pp*cp must multiply to "
+    return (f"no layout of {gpus_said(gpus)} has {given}: the sizes dp*tp*pp*cp must multiply to "
             f"--gpus {gpus}; give sizes that divide it, or fewer of {', '.join(sizes)}")
 
 
@@ -120,7 +120,7 @@ def choose_layout(args, raw: dict) -> dict:
         section, key = LAYOUT_KEYS[knob]
         raw[section][key] = value
     p = best.prediction
-    print(f"auto_layout: {gpus} GPUs ({gpus_per_node} per node, profile {profile.name}), seq "
+    print(f"auto_layout: {gpus_said(gpus)} ({gpus_per_node} per node, profile {profile.name}), seq "
           f"{seq}, {tokens:,} tokens a step: {len(result.ranked):,} layouts fit "
           f"({result.considered:,} judged in {result.seconds:.1f} s)", file=sys.stderr)
     print(f"chosen: {describe(best.layout)}: {p.tok_s_gpu:,.0f} tok/s/GPU, MFU {p.mfu:.1%}, "

@@ -88,6 +88,11 @@ def table(rows: list) -> str:
                      for r in rows)
 
 
+def gpus_said(n: int) -> str:
+    """"1 GPU", "8 GPUs"."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
 def search_report(result, top: int = 10, profile=None) -> str:
     """The top `top` layouts (marked where `profile`'s runs never had them), then what was
     refused and why (each reason with its first message, the memory's estimate in it as
