@@ -1,10 +1,10 @@
 """`python -m picotron.plan score --layouts IN.csv --hardware P --out OUT.csv`: the step-time
-model's prediction for every row of a table of layouts; and the same table of a search's
-ranked layouts (search_rows, `search --out`), which score reads back to the same
-predictions. OUT.csv is IN.csv with every column
+model's prediction for every row of a table of layouts. OUT.csv is IN.csv with every column
 kept, in its order, plus the predictions (PRED_COLUMNS); a row the config refuses gets
 pred_fits 0 and the config's reason in pred_note; one that does not fit the memory, pred_fits
-0, the memory's reason, and its time at the profile's over_memory_speed.
+0, the memory's reason, and its time at the profile's over_memory_speed. search_rows writes a
+search's ranked layouts as such a table (`search --out`), which score reads back to the same
+predictions.
 
 IN.csv's columns: layouts.LAYOUT_COLUMNS, optionally layouts.OPTIONAL_COLUMNS, `gbs` and any
 `section.key` column (layouts.py says how each is read); a row whose gbs is not its dp x mbs x
