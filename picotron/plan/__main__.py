@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = p.add_subparsers(dest="command", required=True, metavar="search|score|explain")
     hardware = {"default": DEFAULT_PROFILE,
                 "help": f"the hardware profile, a file of picotron/plan/hardware/ (h200, "
-                        f"playbook-h100; default: {DEFAULT_PROFILE})"}
+                        f"playbook-h100; default: {DEFAULT_PROFILE}), or the path of one's "
+                        f"own, a copy of one of them with other numbers"}
     s = commands.add_parser("search", allow_abbrev=False, help="rank every layout of N GPUs")
     s.add_argument("--model_name", required=True,
                    help="a preset in configs/presets, a local Hugging Face model directory or "

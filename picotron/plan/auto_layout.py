@@ -40,7 +40,7 @@ def add_auto_layout_flags(parser) -> None:
                         help=f"with --auto_layout: the hardware profile the planner predicts "
                              f"for, a file of picotron/plan/hardware/ (default: "
                              f"{ONE_GPU_PROFILE}, one H200, for --gpus 1; {MANY_GPU_PROFILE}, "
-                             f"nodes of 8 H100s, for more)")
+                             f"nodes of 8 H100s, for more) or the path of one's own")
 
 
 def auto_layout_problems(args) -> list:

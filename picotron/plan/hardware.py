@@ -2,6 +2,7 @@
 number beside its source (a datasheet, a measurement in bench/NOTES.md, or a fit: h200's by
 bench/planner_h200.py to this project's one-GPU rows, playbook-h100's by bench/planner_fit.py
 to the Ultra-Scale Playbook's runs), and the traits of the trainer whose runs it was fit to.
+A profile of one's own machines is such a file anywhere, passed by its path (load_profile).
 
     {"name": "h200", "about": "...",
      "numbers": {"peak_bf16_flops": {"value": 989.5e12, "source": "datasheet: ..."}, ...},
@@ -141,22 +142,68 @@ def known_profiles() -> list:
 
 
 def load_profile(name: str) -> Profile:
-    """The profile picotron/plan/hardware/NAME.json; a ValueError lists the known ones for
-    an unknown name, and names what is missing from a file without every number."""
-    path = os.path.join(HERE, f"{name}.json")
-    if os.sep in name or "/" in name or not os.path.isfile(path):
-        raise UnknownProfile(f"unknown hardware profile '{name}'; known profiles: "
-                             f"{', '.join(known_profiles())}")
-    with open(path) as f:
-        data = json.load(f)
-    numbers = {k: float(v["value"]) for k, v in data["numbers"].items()}
+    """The profile picotron/plan/hardware/NAME.json, or the profile file at the path `name`
+    (one's own machines: a copy of a shipped profile, its numbers and their sources changed).
+    A ValueError lists the known ones for an unknown name, and says what is wrong in a file
+    (profile_problems)."""
+    if name.endswith(".json") or os.sep in name or "/" in name:
+        path = name
+        if not os.path.isfile(path):
+            raise UnknownProfile(f"no hardware profile file '{name}'; give a JSON file laid "
+                                 f"out as picotron/plan/hardware/h200.json is, or a known "
+                                 f"profile: {', '.join(known_profiles())}")
+    else:
+        path = os.path.join(HERE, f"{name}.json")
+        if not os.path.isfile(path):
+            raise UnknownProfile(f"unknown hardware profile '{name}'; known profiles: "
+                                 f"{', '.join(known_profiles())}, or the path of a profile's "
+                                 f"JSON file")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"hardware profile {path} is not JSON ({e}); fix the file, laid out "
+                         f"as picotron/plan/hardware/h200.json is") from None
+    problems = profile_problems(data)
+    if problems:
+        raise ValueError(f"hardware profile {path}: {'; '.join(problems)}")
+    numbers = data["numbers"]
+    return Profile(os.path.splitext(os.path.basename(path))[0], data.get("about", ""),
+                   {k: float(v["value"]) for k, v in numbers.items()},
+                   {k: v["source"] for k, v in numbers.items()}, data.get("traits", {}))
+
+
+def profile_problems(data) -> list:
+    """What keeps a profile file's dict from being a profile: its `numbers` (each NUMBERS
+    name, each a {"value": a number, "source": where it comes from}) and its `traits` (each
+    one of TRAITS); a name that is not one of them is most likely a misspelt one."""
+    numbers = data.get("numbers") if isinstance(data, dict) else None
+    if not isinstance(numbers, dict):
+        return ['no "numbers" object: {"numbers": {"gemm_eff": {"value": 0.7, "source": '
+                '"..."}, ...}}']
+    problems = []
     missing = [k for k in NUMBERS if k not in numbers]
-    unsourced = [k for k, v in data["numbers"].items() if not v.get("source")]
-    if missing or unsourced:
-        raise ValueError(f"hardware profile {path}: missing numbers {missing}, numbers "
-                         f"without a source {unsourced}")
-    return Profile(name, data.get("about", ""), numbers,
-                   {k: v["source"] for k, v in data["numbers"].items()}, data.get("traits", {}))
+    if missing:
+        problems.append(f"missing numbers {', '.join(missing)}")
+    unknown = [k for k in numbers if k not in NUMBERS]
+    if unknown:
+        problems.append(f"unknown numbers {', '.join(unknown)} (the numbers are: "
+                        f"{', '.join(NUMBERS)})")
+    for key, entry in numbers.items():
+        value = entry.get("value") if isinstance(entry, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f'{key} needs a "value" that is a number, got {entry!r}')
+        elif not (isinstance(entry.get("source"), str) and entry["source"].strip()):
+            problems.append(f'{key} has no "source" (a datasheet, a measurement or a fit)')
+    traits = data.get("traits", {})
+    if not isinstance(traits, dict):
+        problems.append(f'"traits" must be an object, got {traits!r}')
+    else:
+        odd = [k for k in traits if k not in TRAITS]
+        if odd:
+            problems.append(f"unknown traits {', '.join(odd)} (the traits are: "
+                            f"{', '.join(TRAITS)})")
+    return problems
 
 
 def unmeasured(profile: Profile, layout: dict) -> list:
