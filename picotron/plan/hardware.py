@@ -161,6 +161,9 @@ def load_profile(name: str) -> Profile:
     try:
         with open(path) as f:
             data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read hardware profile {path} ({e.strerror}); give a file "
+                         f"you can read") from None
     except ValueError as e:
         raise ValueError(f"hardware profile {path} is not JSON ({e}); fix the file, laid out "
                          f"as picotron/plan/hardware/h200.json is") from None
