@@ -92,7 +92,7 @@ def run_search(args):
     print(search_report(result, args.top, profile))
     if args.out:
         from picotron.plan.score import search_rows, write_table
-        write_table(args.out, *search_rows(result.ranked, raw, profile, args.gpus_per_node))
+        write_table(args.out, *search_rows(result, profile, args.gpus_per_node))
         print(f"wrote {args.out}: {len(result.ranked):,} layouts")
     return result
 

@@ -17,9 +17,9 @@ import os
 
 from picotron.config import Config
 from picotron.errors import ConfigError
-from picotron.plan.judge import LAYOUT_KEYS as KNOB_KEYS
+from picotron.plan.judge import LAYOUT_KEYS as KNOB_KEYS, with_layout
 from picotron.plan.layouts import (LAYOUT_COLUMNS, MODEL_KEYS, OPTIONAL_COLUMNS, as_trainer_ran,
-                                   batch_contradiction, config_for)
+                                   batch_contradiction, config_for, row_of)
 
 PRED_COLUMNS = ("pred_tok_s_gpu", "pred_step_s", "pred_mem_gib", "pred_fits", "pred_note")
 
@@ -107,37 +107,27 @@ def write_table(path: str, columns: list, rows: list) -> None:
 PLANNED_SECTIONS = ("model", "distributed", "training")
 
 
-def search_rows(ranked: list, raw: dict, profile, gpus_per_node: int) -> tuple:
-    """(columns, rows) of a search's ranked layouts (search.Scored, fastest first) for the
-    config dict `raw` it searched, as score reads a layout: LAYOUT_COLUMNS and
-    OPTIONAL_COLUMNS, `distributed.cp_mode`, a `section.key` column for each key of `raw`
-    that is not the default (the model's other settings, each --set) or that the profile's
-    trait layout_defaults names (score would read it as that trainer ran it), then
-    PRED_COLUMNS."""
-    default, m = Config().to_dict(), raw["model"]
+def search_rows(result, profile, gpus_per_node: int) -> tuple:
+    """(columns, rows) of a search's ranked layouts (search.SearchResult), fastest first, as
+    score reads a layout: each one's layouts.row_of, `distributed.cp_mode`, a `section.key`
+    column for each key of the search's config that is not the default (the model's other
+    settings, each --set) or that the profile's trait layout_defaults names (score would read
+    it as that trainer ran it), then PRED_COLUMNS."""
+    default, base = Config().to_dict(), result.base.to_dict()
     laid_out = {("model", key) for key in MODEL_KEYS.values()} | set(KNOB_KEYS.values()) | {
         ("model", "name"), ("training", "seq_length")}
     settings = {(section, key): value for section in PLANNED_SECTIONS
-                for key, value in raw[section].items()
+                for key, value in base[section].items()
                 if (section, key) not in laid_out and value != default[section].get(key)}
     for name in profile.traits.get("layout_defaults", {}):
         section, key = name.split(".", 1)
-        settings.setdefault((section, key), raw[section][key])
-    shape = {column: m[key] for column, key in MODEL_KEYS.items()}
-    shape.update(model=m["name"], tied=int(m["tie_word_embeddings"]),
-                 seq=raw["training"]["seq_length"], gpus_per_node=gpus_per_node)
+        settings.setdefault((section, key), base[section][key])
     cells = {f"{section}.{key}": value if isinstance(value, str) else json.dumps(value)
              for (section, key), value in settings.items()}
-    rows = []
-    for scored in ranked:
-        k = scored.layout
-        engine = k["pp_engine"] if k["pp_engine"] != "interleaved" else (
-            f"interleaved:{k['interleave']}")
-        rows.append({**shape, "gpus": k["dp"] * k["tp"] * k["pp"] * k["cp"],
-                     **{c: k[c] for c in ("dp", "tp", "pp", "cp", "zero", "mbs", "grad_acc")},
-                     "recompute": k["recompute"], "fp8": k["fp8"], "pp_engine": engine,
-                     "distributed.cp_mode": k["cp_mode"], **cells,
-                     **pred_cells(scored.prediction, profile)})
+    rows = [{"model": base["model"]["name"],
+             **row_of(with_layout(result.base, scored.layout), gpus_per_node),
+             "distributed.cp_mode": scored.layout["cp_mode"], **cells,
+             **pred_cells(scored.prediction, profile)} for scored in result.ranked]
     columns = (["model"] + LAYOUT_COLUMNS + list(OPTIONAL_COLUMNS) + ["distributed.cp_mode"]
                + list(cells) + list(PRED_COLUMNS))
     return columns, rows

@@ -69,6 +69,7 @@ class SearchResult:
     # reason -> [least, greatest] of the first decimal number in its messages: a memory
     # refusal's estimate differs layout by layout (the rest is the first message's)
     spans: dict = field(default_factory=dict)
+    base: object = None     # the Config each layout was judged as (judge.with_layout)
 
 
 def divisors(n: int) -> list:
@@ -201,7 +202,7 @@ def _search(raw, gpus, global_batch_tokens, profile, gpus_per_node, fixed, predi
     d = base.distributed
     sequences = global_sequences(global_batch_tokens, base.training.seq_length)
     defaults = {"cp_mode": d.cp_mode, "pp_engine": d.pp_engine, "interleave": d.pp_virtual_stages}
-    result = SearchResult([], Counter(), {}, 0)
+    result = SearchResult([], Counter(), {}, 0, base=base)
     layers, fp8 = base.model.num_hidden_layers, fp8_options(profile)
 
     def score_grids(grids: list) -> list:
